@@ -1,0 +1,3 @@
+from areal_sdk.cli import main
+
+main()

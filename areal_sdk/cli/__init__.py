@@ -1,0 +1,57 @@
+"""The ``areal-sdk`` command line.
+
+Each command is a module of this package with ``add_parser(subparsers)``; modules import
+their heavy dependencies inside the command, so ``areal-sdk --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# In the order `areal-sdk --help` lists them.
+COMMAND_MODULES = (
+    "train",
+    "rollout",
+    "serve",
+    "engine",
+    "models",
+    "plugins",
+    "config",
+    "trajectories",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from areal_sdk import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="areal-sdk",
+        description="Train an existing LLM agent with asynchronous reinforcement learning.",
+    )
+    parser.add_argument("--version", action="version", version=f"areal-sdk {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"areal_sdk.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"areal_sdk.cli.{name}":
+                continue  # a command this installation does not ship
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        sys.exit(2 if args.command is None else 0)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(code or 0)

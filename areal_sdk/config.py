@@ -1,0 +1,293 @@
+"""The run configuration: one YAML file, typed sections, ``key.sub=value`` overrides.
+
+>>> cfg = load_config(None, ["rollout.group_size=8", "model.path=/models/tiny"])
+>>> cfg.rollout.group_size, cfg.model.path
+(8, '/models/tiny')
+
+Every section forbids unknown keys, so a typo fails with the key's full dotted name and the
+keys that are allowed there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """The policy model."""
+
+    path: str | None = Field(None, description="local HF directory or .gguf file")
+    name: str | None = Field(None, description="a named model from the registry, e.g. smollm2-135m-instruct")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tokenizer: str | None = Field(None, description="tokenizer directory, if not beside the weights")
+    served_name: str = Field("policy", description="the name GET /v1/models lists")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path is not None and self.name is not None:
+            raise ValueError("set model.path or model.name, not both")
+        return self
+
+
+class AgentConfig(Section):
+    """The user's agent: a ``@areal.trace`` function and the keyword arguments it gets."""
+
+    entry: str | None = Field(None, description="module:function, e.g. examples.quickstart.agent:solve")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    reward: str | None = Field(None, description="a registered reward function applied to the final answer")
+
+    @model_validator(mode="after")
+    def _entry_shape(self) -> AgentConfig:
+        if self.entry is not None and (":" not in self.entry or self.entry.count(":") != 1):
+            raise ValueError(f"agent.entry must look like 'package.module:function', got {self.entry!r}")
+        return self
+
+
+class DataConfig(Section):
+    """Tasks: a JSONL file, one task (a JSON object) per line."""
+
+    path: str | None = None
+    eval_path: str | None = None
+    id_field: str = "id"
+    limit: int | None = Field(None, ge=1)
+    eval_limit: int | None = Field(None, ge=1)
+    shuffle: bool = True
+
+
+class RolloutConfig(Section):
+    """Running agents over tasks."""
+
+    group_size: int = Field(4, ge=1, description="samples per task (GRPO group)")
+    concurrency: int = Field(8, ge=1, description="agent calls in flight")
+    batch_size: int = Field(8, ge=1, description="episodes per training step")
+    timeout_s: float = Field(300.0, gt=0)
+    retries: int = Field(0, ge=0)
+    max_staleness: int = Field(1, ge=0, description="0 is the synchronous baseline")
+
+
+class InferenceConfig(Section):
+    """The inference engine behind the gateway."""
+
+    backend: str = Field("embedded", description="a registered inference backend")
+    device: str = "cpu"
+    max_batch_size: int = Field(32, ge=1)
+    max_model_len: int = Field(4096, ge=16)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    urls: list[str] = Field(default_factory=list, description="attach to running SGLang servers")
+    tool_parser: str | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    max_new_tokens: int = Field(512, ge=1)
+
+
+class TrainConfig(Section):
+    """The train backend."""
+
+    backend: str = Field("torch", description="a registered train backend")
+    device: str = "cpu"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(8192, ge=16)
+    gradient_checkpointing: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    bf16: bool = False
+
+
+class TokenMaskConfig(Section):
+    """Mask tokens whose behaviour/proximal mismatch lies outside [lower, upper] (IcePop/KPop).
+
+    - ``metric="ratio"``: the importance weight pi_proximal / pi_behaviour of the sampled token
+      (IcePop keeps roughly [0.5, 2]).
+    - ``metric="kl"``: the binary KL between behaviour and proximal, treating "sampled this
+      token or not" as a Bernoulli; computable from the sampled token's two probabilities and a
+      lower bound of the full-vocabulary KL (KPop-style; typically lower=0, upper~0.1).
+    - ``metric="none"``: keep every token.
+
+    Masked tokens contribute no gradient but still count in the loss denominator.
+    """
+
+    metric: Literal["none", "ratio", "kl"] = "none"
+    lower: float = Field(0.0, ge=0.0, description="both metrics are non-negative")
+    upper: float = Field(float("inf"), gt=0.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TokenMaskConfig:
+        if self.lower > self.upper:
+            raise ValueError(f"algorithm.token_mask.lower ({self.lower}) exceeds upper ({self.upper})")
+        return self
+
+
+class AlgorithmConfig(Section):
+    """The RL objective (``areal_sdk.algorithms``).
+
+    Advantages: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo``
+    (leave-one-out mean). Policy loss: PPO clipped ratio with clip-higher (``clip_high >
+    clip_low``) and optional dual-clip for negative advantages. ``decoupled`` takes the ratio
+    against the proximal policy and weights each token by pi_proximal / pi_behaviour.
+    ``kl_coef`` adds a k3 KL to a reference model, ``entropy_coef`` an entropy bonus.
+    ``loss_agg``: ``token_mean`` (every token counts once), ``seq_mean_token_mean`` (every
+    sequence counts once), ``seq_mean_token_sum`` (sequence sums averaged over sequences).
+    """
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    clip_low: float = Field(0.2, ge=0, lt=1.0, description="ratio floor is 1 - clip_low")
+    clip_high: float = Field(0.2, ge=0, description="> clip_low is clip-higher")
+    dual_clip: float | None = Field(None, gt=1.0)
+    decoupled: bool = True
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    token_mask: TokenMaskConfig = Field(default_factory=TokenMaskConfig)
+    dynamic_filter: bool = Field(False, description="drop groups whose rewards are all equal")
+
+
+class WeightsConfig(Section):
+    """Pushing trained weights into the engine."""
+
+    method: str = Field("in_process", description="in_process | disk | broadcast | cuda_ipc")
+    dir: str | None = None
+    keep_last: int = Field(2, ge=1)
+    timeout_s: float = Field(120.0, gt=0)
+    bucket_mb: int = Field(256, ge=1)
+
+
+class RunConfig(Section):
+    """Where a run writes, and how long it goes."""
+
+    dir: str = "runs/default"
+    name: str | None = None
+    seed: int = 0
+    steps: int = Field(10, ge=0)
+    checkpoint_every: int = Field(0, ge=0, description="0 saves only at the end")
+    metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"])
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
+    """The field names allowed at ``path`` inside ``model``."""
+    current: Any = model
+    for part in path:
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        annotation = fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if current is None:
+            return []
+    return sorted(current.model_fields)
+
+
+def _format_errors(exc: ValidationError, origin: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(Config, loc[:-1])
+            where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+            lines.append(f"{key}: unknown key; allowed in {where}: {', '.join(allowed)}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{key}: {msg}{shown}")
+    return f"invalid config ({origin}):\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"rollout.group_size=8"`` -> (["rollout", "group_size"], 8). Values parse as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {exc}") from exc
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {text!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply overrides, validate. Raises ``ConfigError``."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        origin = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = apply_overrides(data, overrides)
+        origin += " + overrides"
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, origin)) from None
+    if path is not None:
+        _resolve_relative_paths(cfg, Path(path).parent)
+    return cfg
+
+
+def _resolve_relative_paths(cfg: Config, base: Path) -> None:
+    """Data paths in a config file are relative to the file, so examples run from anywhere."""
+    for section, key in (("data", "path"), ("data", "eval_path")):
+        obj = getattr(cfg, section)
+        value = getattr(obj, key)
+        if value and not Path(value).is_absolute():
+            candidate = (base / value).resolve()
+            if candidate.exists() or not Path(value).exists():
+                setattr(obj, key, str(candidate))

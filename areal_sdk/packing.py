@@ -1,0 +1,234 @@
+"""Sequence packing: variable-length samples into padding-free micro-batches.
+
+Each ``MicroBatch`` is all its sequences concatenated into one row of ``N`` tokens, with
+``position_ids`` restarting at 0 for each sequence and ``cu_seqlens`` marking the boundaries.
+
+How the model keeps packed sequences apart: pass ``input_ids[None]`` and
+``position_ids[None]`` with ``attention_mask=None`` and ``use_cache=False``
+(``MicroBatch.model_inputs()``). Transformers 5 (``masking_utils.find_packed_sequence_indices``)
+reads the restarts in ``position_ids`` and builds a block-diagonal causal mask for the sdpa,
+eager and flex attention paths; flash-attention 2/3 derives ``cu_seqlens`` from the same
+``position_ids``. So ``position_ids`` alone isolate the sequences; ``attention_mask`` must stay
+``None`` (a 2-D mask switches the detection off) and so must the cache (``use_cache=False``).
+``tests/test_packing.py`` checks the logits equal those of each sequence run alone.
+
+Alignment: every per-token tensor is indexed like ``input_ids``; the value at ``t`` refers to
+token ``input_ids[t]``, predicted by the model's logits at ``t - 1``. The first token of each
+sequence has no prediction inside the micro-batch, so its ``loss_mask`` is always 0.
+
+Bin packing: first-fit-decreasing finds how many micro-batches the token budget needs; that
+count is rounded up to a multiple of ``num_ranks`` (every rank must run the same number of
+forward/backward passes, or collective ops hang), and the samples are then spread over that
+many micro-batches by worst-fit-decreasing (longest first into the emptiest micro-batch that
+fits), which evens out their token counts. Micro-batches go to ranks the same way, so ranks
+get similar token totals. A rank short of samples gets a one-token padding micro-batch with
+nothing to train (``loss_mask`` 0), never an empty one.
+
+>>> from areal_sdk.samples import TrainingSample
+>>> s = TrainingSample("e", "g", "t", ["u"], [5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.2], [-1, 3, 3], 1.0)
+>>> [[mb.input_ids.tolist() for mb in rank] for rank in pack_samples([s], [0.5], max_tokens=8)]
+[[[5, 6, 7]]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from areal_sdk.samples import NO_LOGPROB, NO_VERSION, TrainingSample
+
+
+@dataclass
+class MicroBatch:
+    """Packed sequences for one forward/backward pass. See the module docstring."""
+
+    input_ids: torch.Tensor  # [N] int64, all sequences concatenated, no padding
+    position_ids: torch.Tensor  # [N] int64, restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor  # [S+1] int32 sequence boundaries
+    loss_mask: torch.Tensor  # [N] float32, 1 where input_ids[t] was sampled by the policy
+    behaviour_logprobs: torch.Tensor  # [N] float32, engine logprobs (0 where mask 0)
+    versions: torch.Tensor  # [N] int64, -1 where mask 0
+    advantages: torch.Tensor  # [N] float32, a sequence's advantage broadcast to its tokens
+    proximal_logprobs: torch.Tensor | None = None  # [N], filled by the trainer before the update
+    ref_logprobs: torch.Tensor | None = None  # [N], reference model, when a KL term is used
+    sample_indices: list[int] = field(default_factory=list)  # which input samples are in here
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor on ``device``."""
+        moved: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return MicroBatch(**moved)
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM forward over the packed row."""
+        return {
+            "input_ids": self.input_ids.unsqueeze(0),
+            "position_ids": self.position_ids.unsqueeze(0),
+            "attention_mask": None,
+            "use_cache": False,
+        }
+
+
+def _check(sample: TrainingSample, index: int, max_tokens: int) -> None:
+    name = f"sample {index} (episode {sample.episode_id}, turns {sample.turn_ids})"
+    n = len(sample.input_ids)
+    if n == 0:
+        raise ValueError(f"{name} has no tokens")
+    if n > max_tokens:
+        raise ValueError(
+            f"{name} has {n} tokens, more than the micro-batch budget of {max_tokens} "
+            "(raise train.micro_batch_tokens or cap the episode length)"
+        )
+    for attr in ("loss_mask", "logprobs", "versions"):
+        if len(getattr(sample, attr)) != n:
+            raise ValueError(
+                f"{name}: {attr} has {len(getattr(sample, attr))} entries, input_ids has {n}"
+            )
+
+
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> int:
+    """How many bins first-fit-decreasing needs."""
+    free: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        for b, room in enumerate(free):
+            if n <= room:
+                free[b] -= n
+                break
+        else:
+            free.append(capacity - n)
+    return len(free)
+
+
+def _worst_fit_decreasing(
+    lengths: Sequence[int], n_bins: int, capacity: int
+) -> list[list[int]] | None:
+    """Indices per bin, longest first into the emptiest bin that fits; None if one won't fit."""
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    load = [0] * n_bins
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = min(range(n_bins), key=lambda b: (load[b], b))
+        if load[b] + lengths[i] > capacity:
+            return None
+        bins[b].append(i)
+        load[b] += lengths[i]
+    return bins
+
+
+def _assign_to_ranks(
+    bins: list[list[int]], lengths: Sequence[int], num_ranks: int
+) -> list[list[list[int]]]:
+    """Equal bin counts per rank, heaviest bins first onto the lightest rank with room."""
+    per_rank = len(bins) // num_ranks
+    ranks: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    weight = [sum(lengths[i] for i in b) for b in bins]
+    for b in sorted(range(len(bins)), key=lambda b: (-weight[b], b)):
+        r = min(
+            (r for r in range(num_ranks) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r)
+        )
+        ranks[r].append(bins[b])
+        load[r] += weight[b]
+    return ranks
+
+
+def _build(
+    samples: Sequence[TrainingSample], advantages: Sequence[float], indices: list[int]
+) -> MicroBatch:
+    ids: list[int] = []
+    pos: list[int] = []
+    mask: list[float] = []
+    logp: list[float] = []
+    vers: list[int] = []
+    adv: list[float] = []
+    bounds = [0]
+    for i in indices:
+        s = samples[i]
+        n = len(s.input_ids)
+        ids += s.input_ids
+        pos += range(n)
+        # The first token is never predicted inside the row, so it cannot be trained on.
+        m = [0, *s.loss_mask[1:]]
+        mask += [float(x) for x in m]
+        logp += [lp if keep else NO_LOGPROB for lp, keep in zip(s.logprobs, m, strict=True)]
+        vers += [v if keep else NO_VERSION for v, keep in zip(s.versions, m, strict=True)]
+        adv += [float(advantages[i])] * n
+        bounds.append(bounds[-1] + n)
+    return MicroBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        behaviour_logprobs=torch.tensor(logp, dtype=torch.float32),
+        versions=torch.tensor(vers, dtype=torch.long),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        sample_indices=list(indices),
+    )
+
+
+def _padding(token: int) -> MicroBatch:
+    """A one-token micro-batch with nothing to train, so every rank runs the same passes."""
+    return MicroBatch(
+        input_ids=torch.tensor([token], dtype=torch.long),
+        position_ids=torch.zeros(1, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+        loss_mask=torch.zeros(1, dtype=torch.float32),
+        behaviour_logprobs=torch.zeros(1, dtype=torch.float32),
+        versions=torch.full((1,), NO_VERSION, dtype=torch.long),
+        advantages=torch.zeros(1, dtype=torch.float32),
+    )
+
+
+def pack_samples(
+    samples: Sequence[TrainingSample],
+    advantages: Sequence[float],
+    max_tokens: int,
+    *,
+    num_ranks: int = 1,
+) -> list[list[MicroBatch]]:
+    """Pack samples into micro-batches of at most ``max_tokens`` tokens, per rank.
+
+    Returns ``num_ranks`` lists of equal length. ``advantages[i]`` is sample ``i``'s scalar
+    advantage. Raises ``ValueError`` for a sample over the budget (naming it) or mismatched
+    lengths. When the samples cannot fill every rank's share (fewer samples than
+    micro-batches), the gaps are one-token micro-batches with ``loss_mask`` 0 and no
+    ``sample_indices``: they add nothing to the loss but keep the ranks' collectives in step.
+    """
+    if max_tokens < 1 or num_ranks < 1:
+        raise ValueError(f"max_tokens ({max_tokens}) and num_ranks ({num_ranks}) must be >= 1")
+    if len(advantages) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+    if not samples:
+        raise ValueError("no samples to pack")
+    for i, s in enumerate(samples):
+        _check(s, i, max_tokens)
+    lengths = [len(s.input_ids) for s in samples]
+    n_bins = max(_first_fit_decreasing(lengths, max_tokens), num_ranks)
+    n_bins = -(-n_bins // num_ranks) * num_ranks
+    while (bins := _worst_fit_decreasing(lengths, n_bins, max_tokens)) is None:
+        # Even spreading can strand a long sample that FFD would have fitted; one more
+        # micro-batch per rank always converges (at worst one sample per micro-batch).
+        n_bins += num_ranks
+    ranks = _assign_to_ranks(bins, lengths, num_ranks)
+    pad_token = samples[0].input_ids[0]
+    return [
+        [_build(samples, advantages, sorted(b)) if b else _padding(pad_token) for b in rank]
+        for rank in ranks
+    ]

@@ -1,0 +1,290 @@
+"""The plugin host: discovery through entry points, and a typed facade over the hooks.
+
+Loading is lazy: ``import areal_sdk`` imports no plugin. A plugin that fails to import, or
+whose framework is missing, is recorded as unusable with the reason; it never breaks the host.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from areal_sdk import hookspecs
+from areal_sdk.hookspecs import AdapterInfo, GatewayRoute, PluginStatus
+
+if TYPE_CHECKING:
+    from areal_sdk.tracing import EpisodeContext
+    from areal_sdk.trajectory import Episode, Turn
+
+ENTRY_POINT_GROUP = "areal_sdk"
+DISABLE_ENV = "AREAL_SDK_DISABLE_PLUGINS"
+
+
+class PluginError(RuntimeError):
+    """A component was asked for that no usable plugin provides, or two provide it."""
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """One plugin as the host sees it."""
+
+    name: str
+    source: str  # "areal-sdk 0.1.0 (built-in)", "my-dist 1.2", "registered in code"
+    status: PluginStatus
+    loaded: bool
+    kinds: tuple[str, ...] = ()
+
+
+def _disabled_names() -> set[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def _source_of(ep: md.EntryPoint) -> str:
+    dist = ep.dist
+    if dist is None:
+        return "unknown distribution"
+    label = f"{dist.metadata['Name']} {dist.version}"
+    return f"{label} (built-in)" if dist.metadata["Name"] == "areal-sdk" else label
+
+
+_REGISTRY_HOOKS = {
+    "inference_backend": "areal_inference_backends",
+    "train_backend": "areal_train_backends",
+    "weight_sync": "areal_weight_sync_methods",
+    "tool_parser": "areal_tool_call_parsers",
+    "reward": "areal_reward_functions",
+    "metric_sink": "areal_metric_sinks",
+}
+
+
+class PluginHost:
+    """Typed access to every hook. One per process is usual (``get_host()``)."""
+
+    def __init__(self, *, load_entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._records: dict[str, PluginRecord] = {}
+        self._failed: dict[str, PluginRecord] = {}
+        if load_entry_points:
+            self._load_entry_points()
+
+    # -- discovery -------------------------------------------------------------------------
+
+    def _load_entry_points(self) -> None:
+        disabled = _disabled_names()
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in self._records or ep.name in self._failed:
+                continue
+            source = _source_of(ep)
+            if ep.name in disabled:
+                self._failed[ep.name] = PluginRecord(
+                    ep.name,
+                    source,
+                    PluginStatus(False, reason=f"disabled by {DISABLE_ENV}"),
+                    loaded=False,
+                )
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin is reported, never fatal
+                reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                self._failed[ep.name] = PluginRecord(
+                    ep.name, source, PluginStatus(False, reason=f"import failed: {reason}"), False
+                )
+                continue
+            self.register(plugin, ep.name, source=source)
+
+    def register(self, plugin: object, name: str, *, source: str = "registered in code") -> None:
+        """Register a plugin object or module under ``name``."""
+        if name in _disabled_names():
+            self._failed[name] = PluginRecord(
+                name, source, PluginStatus(False, reason=f"disabled by {DISABLE_ENV}"), False
+            )
+            return
+        self.pm.register(plugin, name=name)
+        self._records[name] = PluginRecord(name, source, self._status_of(name), True)
+
+    def unregister(self, name: str) -> None:
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin)
+        self._records.pop(name, None)
+
+    def _only(self, hook_name: str, plugin_name: str) -> Any:
+        others = [p for n, p in self.pm.list_name_plugin() if n != plugin_name and p is not None]
+        return self.pm.subset_hook_caller(hook_name, remove_plugins=others)
+
+    def _status_of(self, name: str) -> PluginStatus:
+        try:
+            status = self._only("areal_plugin_status", name)()
+        except Exception as exc:
+            return PluginStatus(False, reason=f"status check failed: {exc}")
+        return status if status is not None else PluginStatus(True)
+
+    def _is_usable(self, name: str) -> bool:
+        record = self._records.get(name)
+        return record is not None and record.status.usable
+
+    # -- status ----------------------------------------------------------------------------
+
+    def plugins(self) -> list[PluginRecord]:
+        """Every plugin seen, loaded or not, with what kinds of component it provides."""
+        out = []
+        for name, record in self._records.items():
+            kinds = tuple(
+                kind
+                for kind, hook in _REGISTRY_HOOKS.items()
+                if self._only(hook, name)()  # non-empty registration from this plugin
+            )
+            if self._only("areal_adapters", name)():
+                kinds = ("adapter", *kinds)
+            out.append(
+                PluginRecord(
+                    record.name, record.source, record.status, record.loaded, kinds or ("hooks",)
+                )
+            )
+        out.extend(self._failed.values())
+        return sorted(out, key=lambda r: r.name)
+
+    # -- registration hooks ----------------------------------------------------------------
+
+    def _registry(self, kind: str) -> dict[str, Callable[..., Any]]:
+        hook_name = _REGISTRY_HOOKS[kind]
+        merged: dict[str, Callable[..., Any]] = {}
+        owner: dict[str, str] = {}
+        for plugin_name in self._records:
+            if not self._is_usable(plugin_name):
+                continue
+            for result in self._only(hook_name, plugin_name)():
+                for key, value in result.items():
+                    if key in merged:
+                        raise PluginError(
+                            f"{kind} {key!r} is registered by both {owner[key]!r} and "
+                            f"{plugin_name!r}; disable one with {DISABLE_ENV}"
+                        )
+                    merged[key] = value
+                    owner[key] = plugin_name
+        return merged
+
+    def _resolve(self, kind: str, name: str) -> Callable[..., Any]:
+        registry = self._registry(kind)
+        if name in registry:
+            return registry[name]
+        known = ", ".join(sorted(registry)) or "none"
+        unusable = [
+            f"{r.name} ({r.status.reason})" for r in self.plugins() if not r.status.usable
+        ]
+        hint = f"; unusable plugins: {'; '.join(unusable)}" if unusable else ""
+        raise PluginError(f"no {kind.replace('_', ' ')} named {name!r}; known: {known}{hint}")
+
+    def inference_backends(self) -> dict[str, Callable[..., Any]]:
+        return self._registry("inference_backend")
+
+    def inference_backend(self, name: str) -> Callable[..., Any]:
+        return self._resolve("inference_backend", name)
+
+    def train_backends(self) -> dict[str, Callable[..., Any]]:
+        return self._registry("train_backend")
+
+    def train_backend(self, name: str) -> Callable[..., Any]:
+        return self._resolve("train_backend", name)
+
+    def weight_sync_methods(self) -> dict[str, Callable[..., Any]]:
+        return self._registry("weight_sync")
+
+    def weight_sync_method(self, name: str) -> Callable[..., Any]:
+        return self._resolve("weight_sync", name)
+
+    def tool_call_parsers(self) -> dict[str, Callable[[str], Any]]:
+        return self._registry("tool_parser")
+
+    def tool_call_parser(self, name: str) -> Callable[[str], Any]:
+        return self._resolve("tool_parser", name)
+
+    def reward_functions(self) -> dict[str, Callable[..., float]]:
+        return self._registry("reward")
+
+    def reward_function(self, name: str) -> Callable[..., float]:
+        return self._resolve("reward", name)
+
+    def metric_sinks(self) -> dict[str, Callable[..., Any]]:
+        return self._registry("metric_sink")
+
+    def metric_sink(self, name: str) -> Callable[..., Any]:
+        return self._resolve("metric_sink", name)
+
+    def adapters(self) -> list[tuple[AdapterInfo, PluginRecord]]:
+        """Every declared adapter with the record of the plugin that declares it."""
+        out = []
+        for record in self._records.values():
+            for infos in self._only("areal_adapters", record.name)():
+                out.extend((info, record) for info in infos)
+        return out
+
+    # -- routing and lifecycle -------------------------------------------------------------
+
+    def _usable_caller(self, hook_name: str) -> Any:
+        unusable = [
+            self.pm.get_plugin(n) for n in self._records if not self._is_usable(n)
+        ]
+        return self.pm.subset_hook_caller(hook_name, remove_plugins=[p for p in unusable if p])
+
+    def install_routing(self, route: GatewayRoute) -> None:
+        self._usable_caller("areal_install_routing")(route=route)
+
+    def remove_routing(self) -> None:
+        self._usable_caller("areal_remove_routing")()
+
+    def episode_started(self, episode: EpisodeContext) -> None:
+        self._usable_caller("areal_episode_started")(episode=episode)
+
+    def turn_recorded(self, episode_id: str, turn: Turn) -> None:
+        self._usable_caller("areal_turn_recorded")(episode_id=episode_id, turn=turn)
+
+    def episode_ended(self, episode: Episode) -> None:
+        self._usable_caller("areal_episode_ended")(episode=episode)
+
+
+_host: PluginHost | None = None
+
+
+def get_host() -> PluginHost:
+    """The process-wide host, created (and entry points loaded) on first use."""
+    global _host
+    if _host is None:
+        _host = PluginHost()
+    return _host
+
+
+def reset_host() -> None:
+    """Forget the process-wide host (tests, or after changing the disable list)."""
+    global _host
+    _host = None
+
+
+def status_for_modules(
+    modules: Mapping[str, str] | tuple[str, ...], *, extra: str, kind: str
+) -> PluginStatus:
+    """A ``PluginStatus`` that is usable when every module can be found.
+
+    ``modules`` names import names (``("langchain_openai",)``) or maps them to pip names.
+    """
+    import importlib.util
+
+    names = list(modules)
+    missing = [m for m in names if importlib.util.find_spec(m) is None]
+    if missing:
+        return PluginStatus(
+            False,
+            kind=kind,
+            reason=f"missing {', '.join(missing)}: pip install \"areal-sdk[{extra}]\"",
+            extra=extra,
+        )
+    return PluginStatus(True, kind=kind)

@@ -1,0 +1,217 @@
+"""Runs a transformers causal LM over ragged batches against the slot KV cache.
+
+The model's modules are used as they are; only attention is swapped for ``areal_slots``
+(see ``kv_cache``). ``forward`` takes rows of new tokens, each row belonging to one slot and
+starting at that slot's next position, and returns float32 logits for the positions the
+caller asks for. On CUDA, decode steps (one token per row, rows = slots ``0..B-1``) replay
+CUDA graphs captured per batch-size bucket, which removes the per-layer launch overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from areal_sdk.backends.embedded.kv_cache import ATTN_IMPLEMENTATION, SlotKVCache, StepContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowInput:
+    """One row of a step: ``tokens`` fed to ``slot`` starting at position ``start``."""
+
+    slot: int
+    start: int
+    tokens: list[int]
+
+
+def _text_config(model: torch.nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class ModelRunner:
+    """Owns the model's KV cache and runs its forward passes.
+
+    >>> runner = ModelRunner(model, num_slots=8, max_len=512)
+    >>> logits = runner.forward([RowInput(slot=0, start=0, tokens=[1, 2, 3])])  # [1, vocab]
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_slots: int,
+        max_len: int,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        cfg = _text_config(model)
+        self.vocab_size = int(cfg.vocab_size)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self._set_attention(model)
+        self.cache = SlotKVCache(
+            num_layers=cfg.num_hidden_layers,
+            num_slots=num_slots,
+            max_len=max_len,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self._backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self._lm_head = model.get_output_embeddings()
+        self._positions = torch.arange(max_len + 1, device=self.device)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graph_buckets: list[int] = []
+        if use_graphs:
+            self._graph_buckets = _buckets(num_slots)
+
+    @staticmethod
+    def _set_attention(model: torch.nn.Module) -> None:
+        try:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        except (AttributeError, ValueError):
+            # Older transformers: the config attribute is what every attention layer reads.
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+    # -- forward passes ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, rows: list[RowInput], logits_at: list[int] | None = None) -> torch.Tensor:
+        """Feed ``rows``; return ``[len(rows), vocab]`` logits at each row's last real token,
+        or at the flat positions ``logits_at`` (row * width + column) when given."""
+        width = max(len(r.tokens) for r in rows)
+        if width == 1 and logits_at is None:
+            return self.decode([r.slot for r in rows], [r.start for r in rows], [r.tokens[0] for r in rows])
+        n = len(rows)
+        scratch = self.cache.scratch
+        ids = torch.zeros((n, width), dtype=torch.long)
+        pos = torch.zeros((n, width), dtype=torch.long)
+        write = torch.full((n, width), scratch, dtype=torch.long)
+        qpos = torch.zeros((n, width), dtype=torch.long)
+        last = []
+        for i, r in enumerate(rows):
+            t = len(r.tokens)
+            ids[i, :t] = torch.tensor(r.tokens)
+            span = torch.arange(r.start, r.start + t)
+            pos[i, :t] = span
+            pos[i, t:] = r.start + t - 1
+            write[i, :t] = span
+            qpos[i, :t] = span
+            qpos[i, t:] = r.start + t - 1
+            last.append(i * width + t - 1)
+        kv_len = int(qpos.max()) + 1
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        dev = self.device
+        mask = self._positions[:kv_len].view(1, 1, 1, kv_len) <= qpos.to(dev).view(n, 1, width, 1)
+        step = StepContext(
+            cache=self.cache,
+            slots=slots.to(dev),
+            slot_index=slots.view(n, 1).expand(n, width).to(dev),
+            write_pos=write.to(dev),
+            mask=mask,
+            kv_len=kv_len,
+            rows_are_slots=False,
+        )
+        hidden = self._hidden(ids.to(dev), pos.to(dev), step)
+        flat = hidden.reshape(n * width, -1)
+        index = torch.tensor(logits_at if logits_at is not None else last, device=dev)
+        return self._lm_head(flat.index_select(0, index)).float()
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each of ``slots``; returns ``[len(slots), vocab]`` logits."""
+        rows = max(slots) + 1
+        bucket = next((b for b in self._graph_buckets if b >= rows), None)
+        width = bucket if bucket is not None else rows
+        # Rows are slots 0..width-1; idle rows write to the scratch column and look at
+        # position 0 of their own slot (finite, ignored).
+        ids = torch.zeros(width, dtype=torch.long)
+        pos = torch.zeros(width, dtype=torch.long)
+        write = torch.full((width,), self.cache.scratch, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        ids[slot_t] = torch.tensor(tokens, dtype=torch.long)
+        pos[slot_t] = torch.tensor(positions, dtype=torch.long)
+        write[slot_t] = pos[slot_t]
+        if bucket is not None:
+            graph = self._graphs.get(bucket)
+            if graph is None:
+                graph = self._graphs[bucket] = _DecodeGraph(self, bucket)
+            logits = graph.run(ids, pos, write)
+        else:
+            logits = self._decode_eager(ids, pos, write, kv_len=int(pos.max()) + 1)
+        return logits.index_select(0, slot_t.to(self.device)).float()
+
+    def _decode_eager(
+        self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, *, kv_len: int
+    ) -> torch.Tensor:
+        dev = self.device
+        width = ids.shape[0]
+        pos = pos.to(dev, non_blocking=True)
+        mask = self._positions[:kv_len].view(1, 1, 1, kv_len) <= pos.view(width, 1, 1, 1)
+        step = StepContext(
+            cache=self.cache,
+            slots=self._positions[:width],
+            slot_index=self._positions[:width].view(width, 1),
+            write_pos=write.to(dev, non_blocking=True).view(width, 1),
+            mask=mask,
+            kv_len=kv_len,
+            rows_are_slots=True,
+        )
+        hidden = self._hidden(ids.to(dev, non_blocking=True).view(width, 1), pos.view(width, 1), step)
+        return self._lm_head(hidden[:, -1])
+
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
+        out = self._backbone(input_ids=ids, position_ids=pos, use_cache=False, areal_step=step)
+        return out.last_hidden_state
+
+    def drop_graphs(self) -> None:
+        """Forget captured graphs (they hold the old parameters' addresses only if those
+        tensors were replaced; in-place weight copies keep graphs valid)."""
+        self._graphs.clear()
+
+
+def _buckets(num_slots: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    sizes += list(range(320, num_slots + 64, 64))
+    out = sorted({min(s, num_slots) for s in sizes})
+    return out
+
+
+class _DecodeGraph:
+    """A CUDA graph of one decode step for ``width`` rows, attending over the full cache."""
+
+    def __init__(self, runner: ModelRunner, width: int) -> None:
+        dev = runner.device
+        self.runner = runner
+        self.ids = torch.zeros(width, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(width, dtype=torch.long, device=dev)
+        self.write = torch.full((width,), runner.cache.scratch, dtype=torch.long, device=dev)
+        kv_len = runner.max_len + 1
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels and allocator pools outside the graph
+                runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
+        log.info("captured a decode CUDA graph for %d rows", width)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids, non_blocking=True)
+        self.pos.copy_(pos, non_blocking=True)
+        self.write.copy_(write, non_blocking=True)
+        self.graph.replay()
+        return self.logits

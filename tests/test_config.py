@@ -1,0 +1,79 @@
+import pytest
+
+from areal_sdk.config import Config, ConfigError, load_config, parse_override
+
+
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_yaml_sections(tmp_path):
+    path = write(tmp_path, "model:\n  path: /m\nrollout:\n  group_size: 8\nalgorithm:\n  token_mask:\n    metric: ratio\n    upper: 2.0\n")
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.model.path == "/m" and cfg.rollout.group_size == 8
+    assert cfg.algorithm.token_mask.metric == "ratio" and cfg.algorithm.token_mask.upper == 2.0
+    assert cfg.train.backend == "torch"  # default filled in
+
+
+def test_overrides_coerce_types_and_create_sections(tmp_path):
+    path = write(tmp_path, "rollout:\n  group_size: 2\n")
+    cfg = load_config(path, ["rollout.group_size=16", "train.lr=3e-6", "algorithm.decoupled=false", "inference.urls=[http://a, http://b]", "model.name=smollm2-135m-instruct"])
+    assert cfg.rollout.group_size == 16
+    assert cfg.train.lr == 3e-6
+    assert cfg.algorithm.decoupled is False
+    assert cfg.inference.urls == ["http://a", "http://b"]
+    assert cfg.model.name == "smollm2-135m-instruct"
+
+
+def test_unknown_key_names_the_key_and_what_is_allowed(tmp_path):
+    path = write(tmp_path, "rollout:\n  group_sise: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "rollout.group_sise: unknown key" in message
+    assert "group_size" in message and "max_staleness" in message
+    with pytest.raises(ConfigError, match="rolout: unknown key; allowed in the top level: .*rollout"):
+        load_config(None, ["rolout.group_size=1"])
+
+
+def test_bad_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout.group_size: Input should be greater than or equal to 1 \(got 0\)"):
+        load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match="train.zero_stage"):
+        load_config(None, ["train.zero_stage=5"])
+    with pytest.raises(ConfigError, match="rollout.batch_size: Input should be a valid integer"):
+        load_config(None, ["rollout.batch_size=lots"])
+    with pytest.raises(ConfigError, match="set model.path or model.name, not both"):
+        load_config(None, ["model.path=/a", "model.name=b"])
+    with pytest.raises(ConfigError, match="agent.entry must look like"):
+        load_config(None, ["agent.entry=nocolon"])
+    with pytest.raises(ConfigError, match="token_mask.lower"):
+        load_config(None, ["algorithm.token_mask.lower=3", "algorithm.token_mask.upper=1"])
+
+
+def test_malformed_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1,\n"))
+    with pytest.raises(ConfigError, match="must look like key.sub=value"):
+        parse_override("rollout.group_size")
+    with pytest.raises(ConfigError, match="rollout.group_size is a value, not a section"):
+        load_config(None, ["rollout.group_size=1", "rollout.group_size.x=2"])
+
+
+def test_data_paths_are_relative_to_the_config_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "tasks.jsonl").write_text("{}\n")
+    path = write(tmp_path / "sub", "data:\n  path: tasks.jsonl\n")
+    assert load_config(path).data.path == str((tmp_path / "sub" / "tasks.jsonl").resolve())
+
+
+def test_yaml_round_trip():
+    cfg = load_config(None, ["rollout.max_staleness=0"])
+    assert Config.model_validate(__import__("yaml").safe_load(cfg.to_yaml())) == cfg
