@@ -1,0 +1,254 @@
+"""The rollout controller: runs the user's traced agent over tasks and stores the episodes.
+
+Each agent call gets a gateway session opened *before* the agent starts (so no HTTP happens
+inside the user's code path), runs with a timeout, and is closed afterwards: the gateway
+hands the episode with its turns to the store, which commits it before the call returns.
+A failed or timed-out call becomes a failed episode; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from areal_sdk.tracing import EpisodeContext, RolloutScope, rollout_scope
+from areal_sdk.trajectory import Episode, EpisodeStatus
+
+
+class SessionClient(Protocol):
+    """Opens and closes per-episode sessions; the gateway implements it over HTTP."""
+
+    base_url: str | None
+
+    async def open(self, episode: Episode) -> str:
+        """Register the episode; return the API key that ties calls to it."""
+        ...
+
+    async def end(self, ctx: EpisodeContext) -> Episode:
+        """Finalize (reward, status, error) and store the episode; return it with its turns."""
+        ...
+
+
+class StoreSessions:
+    """Sessions without a gateway: episodes (with no turns) go straight to a store."""
+
+    base_url = None
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def open(self, episode: Episode) -> str:
+        return f"local-{episode.id}"
+
+    async def end(self, ctx: EpisodeContext) -> Episode:
+        await asyncio.to_thread(self.store.append, ctx.episode)
+        return ctx.episode
+
+
+_prepared: contextvars.ContextVar[EpisodeContext | None] = contextvars.ContextVar(
+    "areal_sdk_prepared_episode", default=None
+)
+
+
+class _ControllerScope(RolloutScope):
+    """Hands a traced call the episode the controller opened for it."""
+
+    def open_episode(self, task: Any, name: str) -> EpisodeContext:
+        ctx = _prepared.get()
+        if ctx is None:
+            raise RuntimeError(
+                "a traced agent was called inside a rollout without an episode; run traced "
+                "functions from the rollout controller's task, or wrap threads with areal.bind"
+            )
+        ctx.name = name
+        ctx.episode.metadata.setdefault("agent", name)
+        return ctx
+
+    def close_episode(self, ctx: EpisodeContext) -> None:
+        """Nothing to do here: the controller ends the session after the call returns."""
+
+
+@dataclass
+class RolloutSummary:
+    """What a rollout pass did, as printed at its end."""
+
+    episodes: list[Episode] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> list[Episode]:
+        return [e for e in self.episodes if e.status == EpisodeStatus.OK]
+
+    @property
+    def failed(self) -> list[Episode]:
+        return [e for e in self.episodes if e.status != EpisodeStatus.OK]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.ok if e.reward is not None]
+
+    @property
+    def mean_reward(self) -> float:
+        return statistics.fmean(self.rewards) if self.rewards else math.nan
+
+    @property
+    def reward_std(self) -> float:
+        return statistics.pstdev(self.rewards) if len(self.rewards) > 1 else 0.0
+
+    @property
+    def reward_sem(self) -> float:
+        """Standard error of the mean reward."""
+        n = len(self.rewards)
+        return statistics.stdev(self.rewards) / math.sqrt(n) if n > 1 else math.nan
+
+    @property
+    def tokens(self) -> int:
+        return sum(e.num_tokens for e in self.episodes)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "episodes": float(len(self.episodes)),
+            "episodes_ok": float(len(self.ok)),
+            "episodes_failed": float(len(self.failed)),
+            "reward_mean": self.mean_reward,
+            "reward_std": self.reward_std,
+            "reward_sem": self.reward_sem,
+            "tokens": float(self.tokens),
+            "seconds": self.seconds,
+        }
+
+
+RewardFn = Callable[[str, dict[str, Any]], float]
+EpisodeCallback = Callable[[Episode], Awaitable[None] | None]
+
+
+class RolloutController:
+    """Runs ``agent(task)`` over tasks: ``group_size`` samples each, ``concurrency`` at once.
+
+    ``admit`` (optional) is awaited before each episode starts: the training loop uses it
+    for staleness admission control. ``version`` (optional) reads the weight version an
+    episode starts under.
+    """
+
+    def __init__(
+        self,
+        agent: Callable[..., Any],
+        sessions: SessionClient,
+        *,
+        group_size: int = 1,
+        concurrency: int = 8,
+        timeout_s: float = 300.0,
+        retries: int = 0,
+        reward_fn: RewardFn | None = None,
+        agent_kwargs: dict[str, Any] | None = None,
+        admit: Callable[[], Awaitable[None]] | None = None,
+        release: Callable[[Episode], None] | None = None,
+        version: Callable[[], int] | None = None,
+        on_episode: EpisodeCallback | None = None,
+    ) -> None:
+        self.agent = agent
+        self.sessions = sessions
+        self.group_size = group_size
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.reward_fn = reward_fn
+        self.agent_kwargs = agent_kwargs or {}
+        self.admit = admit
+        self.release = release
+        self.version = version
+        self.on_episode = on_episode
+        self._slots = asyncio.Semaphore(concurrency)
+        self._scope = _ControllerScope()
+
+    async def run(self, tasks: Sequence[dict[str, Any]], *, progress: Any = None) -> RolloutSummary:
+        """Every task ``group_size`` times; returns when all episodes are stored."""
+        start = time.perf_counter()
+        summary = RolloutSummary()
+        jobs = []
+        for task in tasks:
+            group_id = f"grp-{task['id']}-{uuid.uuid4().hex[:8]}"
+            jobs += [self.run_one(task, group_id) for _ in range(self.group_size)]
+        for done in asyncio.as_completed(jobs):
+            episodes = await done
+            summary.episodes.extend(episodes)
+            if progress is not None:
+                progress(episodes[-1])
+        summary.seconds = time.perf_counter() - start
+        return summary
+
+    async def run_group(self, task: dict[str, Any]) -> list[Episode]:
+        """One GRPO group: ``group_size`` final episodes of the same task."""
+        group_id = f"grp-{task['id']}-{uuid.uuid4().hex[:8]}"
+        results = await asyncio.gather(*(self.run_one(task, group_id) for _ in range(self.group_size)))
+        return [attempts[-1] for attempts in results]
+
+    async def run_one(self, task: dict[str, Any], group_id: str) -> list[Episode]:
+        """One sample of a task, retried on failure; returns every attempt's episode."""
+        attempts: list[Episode] = []
+        for attempt in range(self.retries + 1):
+            episode = await self._attempt(task, group_id, attempt)
+            attempts.append(episode)
+            if episode.status == EpisodeStatus.OK:
+                break
+        return attempts
+
+    async def _attempt(self, task: dict[str, Any], group_id: str, attempt: int) -> Episode:
+        if self.admit is not None:
+            await self.admit()
+        async with self._slots:
+            metadata: dict[str, Any] = {"attempt": attempt}
+            if self.version is not None:
+                metadata["start_version"] = self.version()
+            episode = Episode(task_id=str(task["id"]), group_id=group_id, metadata=metadata)
+            api_key = await self.sessions.open(episode)
+            ctx = EpisodeContext(
+                episode=episode, name="agent", base_url=self.sessions.base_url, api_key=api_key
+            )
+            result, error = await self._call_agent(task, ctx)
+            self._finalize(ctx, task, result, error)
+            stored = await self.sessions.end(ctx)
+        if self.release is not None:
+            self.release(stored)
+        if self.on_episode is not None:
+            maybe = self.on_episode(stored)
+            if asyncio.iscoroutine(maybe):
+                await maybe
+        return stored
+
+    async def _call_agent(self, task: dict[str, Any], ctx: EpisodeContext) -> tuple[Any, str | None]:
+        token = _prepared.set(ctx)
+        try:
+            with rollout_scope(self._scope):
+                if asyncio.iscoroutinefunction(self.agent):
+                    call = self.agent(task, **self.agent_kwargs)
+                else:
+                    # to_thread copies the context, so the episode follows the call.
+                    call = asyncio.to_thread(self.agent, task, **self.agent_kwargs)
+                result = await asyncio.wait_for(call, timeout=self.timeout_s)
+        except TimeoutError:
+            return None, f"TimeoutError: agent did not finish within {self.timeout_s:g} s"
+        except Exception as exc:  # the traced wrapper records agent errors; this is ours
+            return None, f"{type(exc).__name__}: {exc}"
+        finally:
+            _prepared.reset(token)
+        return result, None
+
+    def _finalize(self, ctx: EpisodeContext, task: dict[str, Any], result: Any, error: str | None) -> None:
+        ep = ctx.episode
+        ep.ended = ep.ended or time.time()
+        if error is not None:
+            ep.status, ep.error = EpisodeStatus.FAILED, error
+            return
+        if ep.status != EpisodeStatus.OK:
+            return
+        if isinstance(result, str) and self.reward_fn is not None and ep.reward is None:
+            ep.reward = float(self.reward_fn(result, task))
+        if ep.reward is None and ctx.explicit_reward is None:
+            ep.metadata.setdefault("note", "agent returned no reward")

@@ -1,0 +1,76 @@
+"""Tasks and agents from config: a JSONL dataset, and ``module:function`` entry points."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from areal_sdk.tracing import trace
+
+
+class TaskError(ValueError):
+    """A dataset or agent entry point that cannot be used; the message says why."""
+
+
+def load_tasks(
+    path: str | Path,
+    *,
+    id_field: str = "id",
+    limit: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Read one JSON object per line. Tasks without ``id_field`` get ``<file>:<line>`` ids."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"data file {path} does not exist")
+    tasks: list[dict[str, Any]] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise TaskError(f"{path}:{lineno}: a task must be a JSON object")
+            row.setdefault(id_field, f"{path.stem}:{lineno}")
+            row["id"] = str(row[id_field])
+            tasks.append(row)
+    if not tasks:
+        raise TaskError(f"data file {path} holds no tasks")
+    if shuffle:
+        random.Random(seed).shuffle(tasks)
+    return tasks[:limit] if limit else tasks
+
+
+def load_agent(entry: str, *, search_path: Path | None = None) -> Callable[..., Any]:
+    """Import ``package.module:function``. An undecorated function is traced for the user."""
+    module_name, _, attr = entry.partition(":")
+    if not module_name or not attr:
+        raise TaskError(f"agent.entry must look like 'package.module:function', got {entry!r}")
+    if search_path is not None and str(search_path) not in sys.path:
+        sys.path.insert(0, str(search_path))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TaskError(f"cannot import agent module {module_name!r}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise TaskError(f"module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise TaskError(f"agent.entry {entry!r} is not callable")
+    if not hasattr(fn, "__areal_trace__"):
+        fn = trace(fn)
+    return fn
+
+
+def is_async_agent(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn)
