@@ -9,7 +9,8 @@ few rows of many tokens) and decode (many rows of one token).
 
 The attention function is registered with transformers' ``AttentionInterface`` under
 ``areal_slots``; the model's own modules (projections, RoPE, MLP) run unchanged, and the
-step's context reaches every layer as the ``areal_step`` keyword argument.
+step's context reaches every layer as the ``areal_step`` keyword argument. Without that
+argument (a plain ``model(input_ids)`` call) it is ordinary SDPA attention.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTN_IMPLEMENTATION = "areal_slots"
 
@@ -81,9 +84,9 @@ def slot_attention(
 ) -> tuple[torch.Tensor, None]:
     """Write this step's keys/values into their slots, then attend over each slot's prefix."""
     if areal_step is None:
-        raise RuntimeError(
-            "the areal_slots attention needs the engine's step context; "
-            "run this model through backends.embedded.ModelRunner"
+        # Called as a plain HF model (a reference forward pass, a scoring call): behave as SDPA.
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     step = areal_step
     layer = module.layer_idx
@@ -93,22 +96,29 @@ def slot_attention(
     # tensors around a slice yields [rows, tokens, kv_heads, head_dim].
     k_cache[step.slot_index, :, step.write_pos] = key.transpose(1, 2).to(k_cache.dtype)
     v_cache[step.slot_index, :, step.write_pos] = value.transpose(1, 2).to(v_cache.dtype)
-    rows = query.shape[0]
+    rows, heads, width, head_dim = query.shape
     if step.rows_are_slots:
         keys = k_cache[:rows, :, : step.kv_len]
         values = v_cache[:rows, :, : step.kv_len]
     else:
         keys = k_cache.index_select(0, step.slots)[:, :, : step.kv_len]
         values = v_cache.index_select(0, step.slots)[:, :, : step.kv_len]
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    mask = step.mask
+    if groups > 1:
+        # Grouped-query attention without repeating K/V: the query heads that share one KV
+        # head become extra query positions of that head (rows g*width + t), so SDPA runs
+        # as plain multi-head attention over kv_heads heads.
+        query = query.reshape(rows, kv_heads, groups * width, head_dim)
+        mask = mask.repeat(1, 1, groups, 1) if width > 1 else mask
     out = F.scaled_dot_product_attention(
-        query,
-        keys.to(query.dtype),
-        values.to(query.dtype),
-        attn_mask=step.mask,
-        scale=scaling,
-        enable_gqa=query.shape[1] != keys.shape[1],
+        query, keys.to(query.dtype), values.to(query.dtype), attn_mask=mask, scale=scaling
     )
+    out = out.reshape(rows, heads, width, head_dim)
     return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)
+# Outside the engine the model builds SDPA masks as usual, so it stays a working HF model.
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)

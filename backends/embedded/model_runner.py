@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
 from areal_sdk.backends.embedded.kv_cache import ATTN_IMPLEMENTATION, SlotKVCache, StepContext
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,7 @@ class ModelRunner:
         self._positions = torch.arange(max_len + 1, device=self.device)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._graphs: dict[int, _DecodeGraph] = {}
+        self.graph_error: str | None = None
         self._graph_buckets: list[int] = []
         if use_graphs:
             self._graph_buckets = _buckets(num_slots)
@@ -92,7 +92,9 @@ class ModelRunner:
         or at the flat positions ``logits_at`` (row * width + column) when given."""
         width = max(len(r.tokens) for r in rows)
         if width == 1 and logits_at is None:
-            return self.decode([r.slot for r in rows], [r.start for r in rows], [r.tokens[0] for r in rows])
+            return self.decode(
+                [r.slot for r in rows], [r.start for r in rows], [r.tokens[0] for r in rows]
+            )
         n = len(rows)
         scratch = self.cache.scratch
         ids = torch.zeros((n, width), dtype=torch.long)
@@ -143,10 +145,8 @@ class ModelRunner:
         ids[slot_t] = torch.tensor(tokens, dtype=torch.long)
         pos[slot_t] = torch.tensor(positions, dtype=torch.long)
         write[slot_t] = pos[slot_t]
-        if bucket is not None:
-            graph = self._graphs.get(bucket)
-            if graph is None:
-                graph = self._graphs[bucket] = _DecodeGraph(self, bucket)
+        graph = self._graph(bucket) if bucket is not None else None
+        if graph is not None:
             logits = graph.run(ids, pos, write)
         else:
             logits = self._decode_eager(ids, pos, write, kv_len=int(pos.max()) + 1)
@@ -168,16 +168,46 @@ class ModelRunner:
             kv_len=kv_len,
             rows_are_slots=True,
         )
-        hidden = self._hidden(ids.to(dev, non_blocking=True).view(width, 1), pos.view(width, 1), step)
+        hidden = self._hidden(
+            ids.to(dev, non_blocking=True).view(width, 1), pos.view(width, 1), step
+        )
         return self._lm_head(hidden[:, -1])
 
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
-        out = self._backbone(input_ids=ids, position_ids=pos, use_cache=False, areal_step=step)
+        # A 4D attention_mask makes transformers skip its own mask construction (no host
+        # syncs, so decode can be captured in a CUDA graph); the attention reads step.mask.
+        out = self._backbone(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=step.mask,
+            use_cache=False,
+            areal_step=step,
+        )
         return out.last_hidden_state
 
+    def _graph(self, bucket: int) -> _DecodeGraph | None:
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            try:
+                graph = self._graphs[bucket] = _DecodeGraph(self, bucket)
+            except Exception as exc:  # a model whose forward cannot be captured runs eagerly
+                log.warning("CUDA graph capture failed (%r); decoding eagerly", exc)
+                self.graph_error = repr(exc)
+                self._graph_buckets = []
+                self._graphs.clear()
+                return None
+        return graph
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture the decode graph of every batch-size bucket now (first use does it
+        lazily); returns how many were captured. A no-op without CUDA graphs."""
+        for bucket in list(self._graph_buckets):
+            self._graph(bucket)
+        return len(self._graphs)
+
     def drop_graphs(self) -> None:
-        """Forget captured graphs (they hold the old parameters' addresses only if those
-        tensors were replaced; in-place weight copies keep graphs valid)."""
+        """Forget captured graphs. Weight updates copy in place, so they never need this."""
         self._graphs.clear()
 
 

@@ -11,10 +11,10 @@ same). When truncation is active, the exact probability the sampler used is that
 renormalised over the kept set: ``logprob - logsumexp(kept logprobs)``, always >= the
 returned value. Leave top_p=1, top_k=-1, min_p=0 for RL when the two must coincide.
 
-Randomness. Each row samples by Gumbel-max with noise from a counter-based hash of
-``(seed, step)``, where ``step`` is the number of tokens the request has already produced.
-A seeded request therefore draws the same tokens whatever else shares its batch, and after a
-retraction or a re-prefill.
+Randomness. Each row samples by Gumbel-max. A seeded row's noise comes from a counter-based
+hash of ``(seed, step)``, where ``step`` is the number of tokens the request has already
+produced, so a seeded request draws the same tokens whatever else shares its batch, and after
+a retraction or a re-prefill. Unseeded rows use the device RNG (one fast kernel).
 """
 
 from __future__ import annotations
@@ -36,15 +36,23 @@ class SamplingBatch:
     min_p: torch.Tensor  # [R] float
     seed: torch.Tensor  # [R] long, < 2**31
     step: torch.Tensor  # [R] long
+    seeded: torch.Tensor  # [R] bool
+    # Host-side summaries, so the common cases need no device->host sync.
+    any_seeded: bool
+    all_seeded: bool
+    all_greedy: bool
+    any_truncation: bool
 
     @classmethod
     def build(
         cls,
-        rows: list[tuple[float, int, float, float, int, int]],
+        rows: list[tuple[float, int, float, float, int | None, int]],
         device: torch.device,
     ) -> SamplingBatch:
-        """``rows`` are ``(temperature, top_k, top_p, min_p, seed, step)`` tuples."""
-        t, k, p, mp, s, st = zip(*rows, strict=True)
+        """``rows`` are ``(temperature, top_k, top_p, min_p, seed or None, step)`` tuples."""
+        t, k, p, mp, raw_seeds, st = zip(*rows, strict=True)
+        flags = [x is not None for x in raw_seeds]
+        s = [x & 0x7FFFFFFF if x is not None else 0 for x in raw_seeds]
         return cls(
             temperature=torch.tensor(t, dtype=torch.float32, device=device),
             top_k=torch.tensor(k, dtype=torch.long, device=device),
@@ -52,6 +60,13 @@ class SamplingBatch:
             min_p=torch.tensor(mp, dtype=torch.float32, device=device),
             seed=torch.tensor(s, dtype=torch.long, device=device),
             step=torch.tensor(st, dtype=torch.long, device=device),
+            seeded=torch.tensor(flags, dtype=torch.bool, device=device),
+            any_seeded=any(flags),
+            all_seeded=all(flags),
+            all_greedy=all(x <= 0 for x in t),
+            any_truncation=any(kk > 0 for kk in k)
+            or any(x < 1.0 for x in p)
+            or any(x > 0 for x in mp),
         )
 
 
@@ -78,22 +93,31 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     greedy = params.temperature <= 0
     scale = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     logprobs = torch.log_softmax(logits / scale.view(-1, 1), dim=-1)
-    if bool(greedy.all()):
+    if params.all_greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(1, tokens.view(-1, 1)).view(-1)
     scores = _truncate(logprobs, params)
-    noisy = scores + gumbel_noise(params.seed, params.step, logits.shape[-1])
+    noisy = scores + _noise(params, logits)
     tokens = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
     return tokens, logprobs.gather(1, tokens.view(-1, 1)).view(-1)
 
 
+def _noise(params: SamplingBatch, logits: torch.Tensor) -> torch.Tensor:
+    if params.all_seeded:
+        return gumbel_noise(params.seed, params.step, logits.shape[-1])
+    u = torch.rand_like(logits).clamp_(min=1e-10, max=1.0 - 1e-7)
+    free = -torch.log(-torch.log(u))
+    if not params.any_seeded:
+        return free
+    seeded = gumbel_noise(params.seed, params.step, logits.shape[-1])
+    return torch.where(params.seeded.view(-1, 1), seeded, free)
+
+
 def _truncate(logprobs: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """Set the logprobs of tokens that top_k / top_p / min_p exclude to -inf."""
-    use_k = params.top_k > 0
-    use_p = params.top_p < 1.0
-    use_min = params.min_p > 0
-    if not bool((use_k | use_p | use_min).any()):
+    if not params.any_truncation:
         return logprobs
+    use_k = params.top_k > 0
     vocab = logprobs.shape[-1]
     sorted_lp, order = logprobs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logprobs.device).view(1, -1)

@@ -1,0 +1,80 @@
+"""``areal-sdk engine``: serve a model with the embedded engine on SGLang's native routes."""
+
+from __future__ import annotations
+
+import argparse
+
+from areal_sdk.cli._common import console, fail
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "engine",
+        help="serve a model over SGLang's HTTP API with the embedded engine",
+        description=(
+            "Load MODEL (a local HF directory, a .gguf file, or a registry name such as "
+            "smollm2-135m-instruct) and serve /generate, /update_weights_from_disk, "
+            "/pause_generation, ... with SGLang's JSON shapes."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="local HF dir, .gguf file, or registry name")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000, help="port (default 30000, SGLang's)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 on CPU, bfloat16 on CUDA",
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=32, help="KV slots (concurrent requests)"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=4096, help="context per request, in tokens"
+    )
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens fed per step")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name /get_model_info reports"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from areal_sdk.models import ModelNotFoundError
+
+    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
+        return fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.max_batch_size < 1 or args.max_model_len < 16 or args.prefill_chunk < 1:
+        return fail("--max-batch-size and --prefill-chunk must be >= 1, --max-model-len >= 16")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return fail("--device cuda was asked for, but torch sees no CUDA device")
+
+    import uvicorn
+
+    from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
+    from areal_sdk.backends.embedded.server import create_app
+
+    try:
+        with console.status(f"loading {args.model} on {args.device}"):
+            engine = EmbeddedEngine.from_pretrained(
+                args.model,
+                device=args.device,
+                dtype=args.dtype,
+                model_name=args.served_model_name,
+                config=EngineConfig(
+                    max_batch_size=args.max_batch_size,
+                    max_model_len=args.max_model_len,
+                    prefill_chunk=args.prefill_chunk,
+                ),
+            )
+    except ModelNotFoundError as exc:
+        return fail(str(exc))
+    console.print(
+        f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
+    )
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    return 0

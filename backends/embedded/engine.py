@@ -1,0 +1,593 @@
+"""The embedded engine: an ``InferenceBackend`` with continuous batching on one device.
+
+A background thread owns the model and runs the scheduling loop; asyncio callers submit
+requests and receive tokens through thread-safe queues. At every step the scheduler
+
+1. applies control commands (weight updates, pause/resume, aborts) - between steps only;
+2. admits waiting requests into free KV slots (no free slot: the request waits);
+3. runs one chunked-prefill pass for requests with several tokens to feed, and one decode
+   pass for every request with one token to feed;
+4. samples the next token of every request whose input is complete, tags it with the
+   current weight version, checks stop conditions, and frees the slots of finished requests.
+
+So requests join and leave the running batch at every step.
+
+Why not transformers' ``ContinuousBatchingManager`` (``generate_batch``)? It runs its own
+thread with one ``GenerationConfig`` and per-request logits processors, but it has no hook
+to swap weights between steps or to tag tokens with versions, no retract/in-place pause, no
+min_p or per-request seeds that are independent of batch composition, and it measured below
+plain ``generate`` at batch 256 on an H200 (2,043 tokens/s for a 0.5B model). A slot KV cache
+under the model's own modules (``kv_cache``, ``model_runner``) gives all of that in a few
+hundred lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
+from areal_sdk.backends.embedded.request import Request, StreamChunk
+from areal_sdk.backends.embedded.sampler import SamplingBatch, sample
+from areal_sdk.backends.embedded.weights import load_into
+
+from areal_sdk.inference import (
+    GenerateOutput,
+    InferenceBackend,
+    PauseMode,
+    SamplingParams,
+    WeightSource,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve as given (the HTTP server answers 400)."""
+
+
+@dataclass
+class EngineConfig:
+    """Sizes of the engine.
+
+    ``max_batch_size`` KV slots of ``max_model_len`` positions each are allocated up front;
+    more concurrent requests wait for a free slot. ``prefill_chunk`` bounds the prompt tokens
+    fed in one step, so long prompts are split and decodes keep going between the chunks.
+    """
+
+    max_batch_size: int = 32
+    max_model_len: int = 4096
+    prefill_chunk: int = 512
+    cuda_graphs: bool | None = None  # None: on for CUDA
+
+
+class EmbeddedEngine(InferenceBackend):
+    """Continuous-batching generation on a transformers model, in this process.
+
+    >>> engine = EmbeddedEngine.from_pretrained("/models/tiny")
+    >>> out = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+    >>> out.output_ids, out.logprobs, out.versions, out.finish_reason
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        model_name: str = "policy",
+        model_path: str | None = None,
+        version: int = 0,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.model_path = model_path
+        self.runner = ModelRunner(
+            model,
+            num_slots=self.config.max_batch_size,
+            max_len=self.config.max_model_len,
+            cuda_graphs=self.config.cuda_graphs,
+        )
+        self.vocab_size = self.runner.vocab_size
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._version = version
+        self._inbox: queue.SimpleQueue[tuple[str, Any, Callable[[Any], None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._by_rid: dict[str, Request] = {}
+        self._free_slots = list(range(self.config.max_batch_size))
+        self._paused: PauseMode | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        config: EngineConfig | None = None,
+        model_name: str | None = None,
+        tokenizer: str | None = None,
+    ) -> EmbeddedEngine:
+        """Load a local HF directory, a .gguf file or a registry name (``areal_sdk.models``)."""
+        from areal_sdk.models import load_model
+
+        loaded = load_model(model, device=device, dtype=dtype, tokenizer=tokenizer)
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            config=config,
+            model_name=model_name or loaded.name,
+            model_path=str(loaded.path),
+        )
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None
+    ) -> GenerateOutput:
+        """Sample one completion; ``sampling.n`` must be 1 (see ``generate_n``)."""
+        output: GenerateOutput | None = None
+        async for chunk in self._events(
+            self._submit(input_ids, sampling, request_id, streaming=False)
+        ):
+            output = chunk.output
+        assert output is not None
+        return output
+
+    async def stream(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """Yield the tokens of one completion as they are sampled; the last chunk carries
+        the full ``GenerateOutput``. Leaving the iterator early aborts the request."""
+        async for chunk in self._events(
+            self._submit(input_ids, sampling, request_id, streaming=True)
+        ):
+            yield chunk
+
+    async def _events(self, request: Request) -> AsyncIterator[StreamChunk]:
+        finished = False
+        try:
+            while True:
+                chunk = await request.events.get()
+                if chunk.error is not None:
+                    finished = True
+                    raise chunk.error
+                yield chunk
+                if chunk.output is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._command("abort", request.rid)
+
+    def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ``EngineInputError`` naming what is wrong with a request."""
+        if not input_ids:
+            raise EngineInputError("the prompt is empty: input_ids needs at least one token")
+        bad = [
+            t
+            for t in input_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+        ]
+        if bad:
+            raise EngineInputError(
+                f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        limit = self.config.max_model_len
+        if len(input_ids) >= limit:
+            raise EngineInputError(
+                f"the prompt has {len(input_ids)} tokens; the context holds {limit} (max_model_len)"
+            )
+        if len(input_ids) + sampling.max_new_tokens > limit:
+            raise EngineInputError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"exceeds the context of {limit} tokens; lower max_new_tokens to at most "
+                f"{limit - len(input_ids)}"
+            )
+        if sampling.n != 1:
+            raise EngineInputError("generate() samples one completion; use generate_n for n > 1")
+        if any(not 0 <= t < self.vocab_size for t in sampling.stop_token_ids):
+            raise EngineInputError("stop_token_ids holds an id outside the vocabulary")
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        await self._call("pause", PauseMode(mode))
+
+    async def resume(self) -> None:
+        await self._call("resume", None)
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("abort", request_id)
+
+    async def abort_all(self) -> None:
+        await self._call("abort_all", None)
+
+    async def update_weights(
+        self, source: WeightSource, version: int, *, flush_cache: bool = True
+    ) -> None:
+        """Load new weights between two steps; tokens sampled after carry ``version``.
+
+        With ``flush_cache`` (the default, as in SGLang) in-flight requests recompute their
+        keys and values under the new weights before their next token, so every later
+        logprob is exactly the new model's. Without it they keep the old prefix's cache.
+        """
+        await self._call("update_weights", (source, int(version), flush_cache))
+
+    async def set_version(self, version: int) -> None:
+        """Relabel the current weights as ``version`` (SGLang's ``/update_weight_version``)."""
+        await self._call("set_version", int(version))
+
+    async def score(self, input_ids: list[int]) -> list[float | None]:
+        """Logprob of each prompt token given the tokens before it (``None`` for the first),
+        from one full forward pass run between two engine steps."""
+        self.validate(input_ids, SamplingParams(max_new_tokens=0))
+        return await self._call("score", list(input_ids))
+
+    async def flush_cache(self) -> bool:
+        """Drop cached state; refused (False) while requests are running, as in SGLang."""
+        return bool(await self._call("flush_cache", None))
+
+    async def health(self) -> dict[str, Any]:
+        if self._fatal is not None:
+            raise RuntimeError(f"the engine loop died: {self._fatal!r}")
+        return {
+            "status": "ok",
+            "version": self._version,
+            "running": len(self._active),
+            "waiting": len(self._waiting),
+            "paused": self._paused.value if self._paused else None,
+            "device": str(self.runner.device),
+        }
+
+    async def close(self) -> None:
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # -- submission (caller's thread) ------------------------------------------------------
+
+    def _submit(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None,
+        *,
+        streaming: bool,
+    ) -> Request:
+        self.validate(input_ids, sampling)
+        self._ensure_thread()
+        rid = request_id or uuid.uuid4().hex
+        request = Request(
+            rid=rid,
+            prompt_ids=list(input_ids),
+            sampling=sampling,
+            seed=sampling.seed,
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+            stop_ids=self.eos_ids,
+            streaming=streaming,
+        )
+        with self._lock:
+            if rid in self._by_rid:
+                raise EngineInputError(f"request id {rid!r} is already in flight")
+            self._by_rid[rid] = request
+        self._inbox.put(("submit", request, _ignore))
+        return request
+
+    async def _call(self, kind: str, payload: Any) -> Any:
+        self._ensure_thread()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def done(result: Any) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._inbox.put((kind, payload, done))
+        return await future
+
+    def _command(self, kind: str, payload: Any) -> None:
+        if self._thread is not None:
+            self._inbox.put((kind, payload, _ignore))
+
+    def _ensure_thread(self) -> None:
+        if self._fatal is not None:
+            raise RuntimeError(f"the engine loop died: {self._fatal!r}")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="areal-embedded-engine", daemon=True
+            )
+            self._thread.start()
+
+    # -- the loop (engine thread) ----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                idle = self._paused is not None or (not self._active and not self._waiting)
+                if not self._drain(block=idle):
+                    break
+                if self._paused is None and (self._active or self._waiting):
+                    self._step_safely()
+        except BaseException as exc:  # the loop itself broke: fail everyone, refuse new work
+            log.exception("embedded engine loop died")
+            self._fatal = exc
+            self._fail_all(exc)
+
+    def _drain(self, *, block: bool) -> bool:
+        """Apply queued commands; False when asked to stop."""
+        while True:
+            try:
+                item = (
+                    self._inbox.get(block=block, timeout=None)
+                    if block
+                    else self._inbox.get_nowait()
+                )
+            except queue.Empty:
+                return True
+            if item is None:
+                self._fail_all(RuntimeError("the engine was closed"))
+                return False
+            kind, payload, done = item
+            try:
+                done(self._apply(kind, payload))
+            except Exception as exc:
+                done(exc)
+            block = False
+
+    def _apply(self, kind: str, payload: Any) -> Any:
+        if kind == "submit":
+            # While paused (any mode) a new request waits in the queue until resume.
+            self._waiting.append(payload)
+            return None
+        if kind == "abort":
+            request = self._by_rid.get(payload)
+            if request is not None:
+                self._finish_now(request)
+            return None
+        if kind == "abort_all":
+            for request in list(self._active) + list(self._waiting):
+                self._finish_now(request)
+            return None
+        if kind == "pause":
+            self._pause(payload)
+            return None
+        if kind == "resume":
+            self._paused = None
+            return None
+        if kind == "update_weights":
+            source, version, flush = payload
+            load_into(self.model, source)
+            self._version = version
+            if flush:
+                for request in self._active:
+                    request.num_computed = 0
+            return None
+        if kind == "set_version":
+            self._version = payload
+            return None
+        if kind == "score":
+            return self._score(payload)
+        if kind == "flush_cache":
+            return not self._active and not self._waiting
+        raise ValueError(f"unknown engine command {kind!r}")
+
+    def _pause(self, mode: PauseMode) -> None:
+        self._paused = mode
+        if mode == PauseMode.ABORT:
+            for request in list(self._active) + list(self._waiting):
+                self._finish_now(request)
+        elif mode == PauseMode.RETRACT:
+            # Give the slots back; the requests re-run prompt + partial output on resume.
+            for request in reversed(self._active):
+                self._release(request)
+                request.num_computed = 0
+                request.retractions += 1
+                self._waiting.appendleft(request)
+            self._active.clear()
+
+    def _finish_now(self, request: Request) -> None:
+        request.finish("abort")
+        if request in self._active:
+            self._active.remove(request)
+            self._release(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        self._deliver([request])
+
+    def _release(self, request: Request) -> None:
+        if request.slot is not None:
+            heapq.heappush(self._free_slots, request.slot)
+            request.slot = None
+
+    def _step_safely(self) -> None:
+        try:
+            self._step()
+        except Exception as exc:  # a failed forward fails the running batch, not the engine
+            log.exception("engine step failed; failing the running requests")
+            failed = list(self._active)
+            self._active.clear()
+            for request in failed:
+                self._release(request)
+            self._fail(failed, exc)
+
+    def _step(self) -> None:
+        # Admission: lowest free slot first keeps decode rows dense (rows are slots 0..B-1).
+        while self._waiting and self._free_slots:
+            request = self._waiting.popleft()
+            request.slot = heapq.heappop(self._free_slots)
+            self._active.append(request)
+        version = self._version
+        budget = self.config.prefill_chunk
+        prefill: list[tuple[Request, RowInput, bool]] = []
+        decode: list[Request] = []
+        for request in self._active:
+            remaining = request.remaining
+            if remaining == 1:
+                decode.append(request)
+            elif budget > 0:
+                take = min(remaining, budget)
+                budget -= take
+                row = RowInput(request.slot, request.num_computed, self._tokens(request, take))
+                prefill.append((request, row, take == remaining))
+        sampled: list[Request] = []
+        logits: list[torch.Tensor] = []
+        if prefill:
+            rows = [row for _, row, _ in prefill]
+            out = self.runner.forward(rows)
+            for i, (request, row, complete) in enumerate(prefill):
+                request.num_computed += len(row.tokens)
+                if complete:
+                    sampled.append(request)
+                    logits.append(out[i : i + 1])
+        if decode:
+            out = self.runner.decode(
+                [r.slot for r in decode],
+                [r.seq_len - 1 for r in decode],
+                [r.token_at(r.seq_len - 1) for r in decode],
+            )
+            for request in decode:
+                request.num_computed += 1
+            sampled.extend(decode)
+            logits.append(out)
+        if not sampled:
+            return
+        batch = SamplingBatch.build(
+            [
+                (
+                    r.sampling.temperature,
+                    r.sampling.top_k,
+                    r.sampling.top_p,
+                    r.sampling.min_p,
+                    r.seed,
+                    len(r.output_ids),
+                )
+                for r in sampled
+            ],
+            self.runner.device,
+        )
+        tokens, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
+        token_list = tokens.tolist()
+        logprob_list = logprobs.tolist()
+        finished = []
+        for request, token, logprob in zip(sampled, token_list, logprob_list, strict=True):
+            request.append(token, logprob, version, self.tokenizer)
+            if request.finish_reason is not None:
+                finished.append(request)
+        for request in finished:
+            self._active.remove(request)
+            self._release(request)
+        self._deliver(sampled)
+
+    @torch.inference_mode()
+    def _score(self, ids: list[int]) -> list[float | None]:
+        tokens = torch.tensor([ids], device=self.runner.device)
+        logits = self.model(tokens).logits[0].float()
+        logprobs = (
+            torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[0, 1:].view(-1, 1)).view(-1)
+        )
+        return [None, *logprobs.tolist()]
+
+    @staticmethod
+    def _tokens(request: Request, take: int) -> list[int]:
+        start = request.num_computed
+        seq = request.prompt_ids + request.output_ids if request.output_ids else request.prompt_ids
+        return seq[start : start + take]
+
+    # -- delivery (engine thread -> callers' loops) ----------------------------------------
+
+    def _deliver(self, requests: list[Request]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, StreamChunk]]] = {}
+        for request in requests:
+            if request.finish_reason is None and not request.streaming:
+                continue  # generate() waits for the final output only
+            chunk = request.take_chunk()
+            if chunk.output is not None:
+                with self._lock:
+                    if self._by_rid.get(request.rid) is request:
+                        del self._by_rid[request.rid]
+            by_loop.setdefault(request.loop, []).append((request, chunk))
+        for loop, items in by_loop.items():
+            # RuntimeError: that caller's event loop is closed; nobody is listening.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail(self, requests: list[Request], exc: BaseException) -> None:
+        for request in requests:
+            with self._lock:
+                self._by_rid.pop(request.rid, None)
+            with contextlib.suppress(RuntimeError):
+                request.loop.call_soon_threadsafe(
+                    request.events.put_nowait, StreamChunk([], [], [], error=exc)
+                )
+
+    def _fail_all(self, exc: BaseException) -> None:
+        requests = list(self._active) + list(self._waiting)
+        self._active.clear()
+        self._waiting.clear()
+        self._fail(requests, exc)
+
+
+def _put_all(items: list[tuple[Request, StreamChunk]]) -> None:
+    for request, chunk in items:
+        request.events.put_nowait(chunk)
+
+
+def _ignore(_: Any) -> None:
+    return None
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(x) for x in source)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

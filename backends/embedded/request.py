@@ -1,0 +1,113 @@
+"""One generation request's state inside the engine, and its stop conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_sdk.inference import FinishReason, GenerateOutput, SamplingParams
+
+
+@dataclass
+class StreamChunk:
+    """Tokens a request produced in one step; ``output`` is set on the last chunk."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    output: GenerateOutput | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from admission to finish. Owned by the engine thread once submitted."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int | None  # None: the device RNG (not reproducible)
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[StreamChunk]
+    stop_ids: frozenset[int]
+    # Streaming requests get a chunk every step; the others only their final output.
+    streaming: bool = True
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    slot: int | None = None
+    # Tokens of prompt_ids + output_ids whose keys/values are in the slot's cache.
+    num_computed: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+    # Tokens produced since the last chunk was delivered.
+    pending_from: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return self.seq_len - self.num_computed
+
+    def append(self, token: int, logprob: float, version: int, tokenizer: Any) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        self.num_computed = self.seq_len - 1
+        s = self.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.stop_ids):
+            self.finish("stop", token)
+        elif s.stop and tokenizer is not None and (hit := self._stop_string(tokenizer)) is not None:
+            self.finish("stop", hit)
+        elif len(self.output_ids) >= s.max_new_tokens:
+            self.finish("length")
+
+    def _stop_string(self, tokenizer: Any) -> str | None:
+        # A stop string of L characters is spread over at most L + 2 byte-level tokens.
+        window = max(len(x) for x in self.sampling.stop) + 2
+        tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=False)
+        for stop in self.sampling.stop:
+            if stop and stop in tail:
+                return stop
+        return None
+
+    def finish(self, reason: FinishReason, matched: str | int | None = None) -> None:
+        self.finish_reason = reason
+        self.matched_stop = matched
+
+    def take_chunk(self) -> StreamChunk:
+        """The tokens produced since the last chunk, with the final output when finished."""
+        start = self.pending_from
+        self.pending_from = len(self.output_ids)
+        chunk = StreamChunk(
+            ids=self.output_ids[start:],
+            logprobs=self.logprobs[start:],
+            versions=self.versions[start:],
+        )
+        if self.finish_reason is not None:
+            chunk.output = GenerateOutput(
+                output_ids=list(self.output_ids),
+                logprobs=list(self.logprobs),
+                versions=list(self.versions),
+                finish_reason=self.finish_reason,
+                matched_stop=self.matched_stop,
+                prompt_tokens=len(self.prompt_ids),
+                request_id=self.rid,
+                meta={
+                    "retractions": self.retractions,
+                    "e2e_latency": time.monotonic() - self.created,
+                },
+            )
+        return chunk

@@ -1,0 +1,437 @@
+"""SGLang's native HTTP routes over an ``EmbeddedEngine``, so one SGLang client serves both.
+
+Routes: ``/generate`` (text or input_ids, batched lists, ``n``, return_logprob, SSE stream,
+rid), ``/update_weights_from_disk``, ``/update_weight_version``, ``/pause_generation``,
+``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/get_model_info``,
+``/get_weight_version``, ``/get_server_info``, ``/get_load``, ``/health``,
+``/health_generate``. Bad input answers 400 with ``{"error": {"message": ...}}``; the
+engine keeps serving.
+
+>>> app = create_app(engine)            # a FastAPI app
+>>> with ServerThread(app, port=0) as server: httpx.get(server.url + "/health")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from areal_sdk.backends.embedded.engine import EmbeddedEngine, EngineInputError
+from areal_sdk.backends.embedded.protocol import (
+    GenerateRequest,
+    OneRequest,
+    ProtocolError,
+    finish_reason_json,
+    split_request,
+)
+from areal_sdk.backends.embedded.weights import WeightUpdateError
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from areal_sdk.inference import GenerateOutput, PauseMode
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "code": status}}, status_code=status
+    )
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class UpdateFromDisk(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang adds tuning flags over releases
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: PauseMode = PauseMode.ABORT
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    rid: str = ""
+    abort_all: bool = False
+
+
+class VersionBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    new_version: str
+    abort_all_requests: bool = False
+
+
+def _parse_version(text: str | None, current: int) -> int:
+    if text is None:
+        return current + 1
+    try:
+        return int(str(text).removeprefix("v"))
+    except ValueError:
+        raise ProtocolError(
+            f"weight_version must be an integer (optionally 'v'-prefixed), got {text!r}"
+        ) from None
+
+
+async def _json_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"the body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(body)"
+        if err["type"] == "extra_forbidden":
+            raise ProtocolError(f"unknown field {key!r}") from None
+        raise ProtocolError(f"{key}: {err['msg']}") from None
+
+
+def create_app(engine: EmbeddedEngine) -> FastAPI:
+    """A FastAPI app serving SGLang's native routes over ``engine``."""
+    app = FastAPI(title="areal-sdk embedded engine", docs_url=None, redoc_url=None)
+    tokenizer = engine.tokenizer
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(EngineInputError)
+    async def _input_error(_: Request, exc: EngineInputError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, str(exc.errors()[0].get("msg", exc)))
+
+    def encode(one: OneRequest) -> list[int]:
+        if one.input_ids is not None:
+            if not all(isinstance(t, int) for t in one.input_ids):
+                raise ProtocolError("input_ids must be integers")
+            return list(one.input_ids)
+        if tokenizer is None:
+            raise ProtocolError("this engine has no tokenizer; send input_ids")
+        return tokenizer.encode(one.text or "", add_special_tokens=True)
+
+    def decode(ids: list[int], one: OneRequest) -> str:
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode(ids, skip_special_tokens=one.text_options.skip_special_tokens)
+
+    def response(
+        one: OneRequest,
+        prompt: list[int],
+        out: GenerateOutput | None,
+        chunk_ids: list[int],
+        chunk_lps: list[float],
+        chunk_versions: list[int],
+        input_lps: list[float | None] | None,
+        started: float,
+    ) -> dict[str, Any]:
+        text = decode(chunk_ids, one)
+        if (
+            out is not None
+            and out.finish_reason == "stop"
+            and isinstance(out.matched_stop, str)
+            and not one.text_options.no_stop_trim
+        ):
+            cut = text.find(out.matched_stop)
+            if cut >= 0:
+                text = text[:cut]
+        meta: dict[str, Any] = {
+            "id": one.rid or (out.request_id if out else None),
+            "finish_reason": finish_reason_json(out),
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(chunk_ids),
+            "cached_tokens": 0,
+            "weight_version": str(engine.version),
+            "e2e_latency": time.monotonic() - started,
+            # An extension SGLang lacks: the weight version that sampled each output token.
+            "output_token_versions": list(chunk_versions),
+        }
+        if out is not None:
+            meta["num_retractions"] = out.meta.get("retractions", 0)
+        if one.return_logprob:
+            show = (
+                (lambda t: tokenizer.decode([t]))
+                if (getattr(one, "_text_lp", False) and tokenizer)
+                else (lambda t: None)
+            )
+            meta["output_token_logprobs"] = [
+                [lp, t, show(t)] for lp, t in zip(chunk_lps, chunk_ids, strict=True)
+            ]
+            if input_lps is not None:
+                begin = max(one.logprob_start_len, 0)
+                meta["input_token_logprobs"] = [
+                    [lp, t, show(t)]
+                    for lp, t in zip(input_lps[begin:], prompt[begin:], strict=True)
+                ]
+        return {"text": text, "output_ids": list(chunk_ids), "meta_info": meta}
+
+    async def run_one(one: OneRequest, prompt: list[int], started: float) -> dict[str, Any]:
+        input_lps = (
+            await engine.score(prompt)
+            if one.return_logprob and one.logprob_start_len >= 0
+            else None
+        )
+        if one.sampling.max_new_tokens == 0:
+            out = GenerateOutput(
+                [], [], [], "length", prompt_tokens=len(prompt), request_id=one.rid
+            )
+        else:
+            out = await engine.generate(prompt, one.sampling, request_id=one.rid)
+        return response(
+            one, prompt, out, out.output_ids, out.logprobs, out.versions, input_lps, started
+        )
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        started = time.monotonic()
+        body = await _json_body(request, GenerateRequest)
+        entries, batched = split_request(body)
+        for one in entries:
+            one._text_lp = body.return_text_in_logprobs  # type: ignore[attr-defined]
+        prompts = [encode(one) for one in entries]
+        for one, prompt in zip(entries, prompts, strict=True):
+            engine.validate(
+                prompt, one.sampling
+            ) if one.sampling.max_new_tokens else engine.validate(
+                prompt, one.sampling.model_copy(update={"max_new_tokens": 0})
+            )
+        if body.stream:
+            return StreamingResponse(
+                stream(entries, prompts, batched, started), media_type="text/event-stream"
+            )
+        results = await asyncio.gather(
+            *(run_one(o, p, started) for o, p in zip(entries, prompts, strict=True))
+        )
+        return JSONResponse(results if batched else results[0])
+
+    async def stream(
+        entries: list[OneRequest], prompts: list[list[int]], batched: bool, started: float
+    ) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+        async def pump(one: OneRequest, prompt: list[int]) -> None:
+            ids: list[int] = []
+            lps: list[float] = []
+            vers: list[int] = []
+            try:
+                async for chunk in engine.stream(prompt, one.sampling, request_id=one.rid):
+                    ids += chunk.ids
+                    lps += chunk.logprobs
+                    vers += chunk.versions
+                    item = response(one, prompt, chunk.output, ids, lps, vers, None, started)
+                    if batched:
+                        item["index"] = one.index
+                    await queue.put(item)
+            except Exception as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(o, p)) for o, p in zip(entries, prompts, strict=True)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    yield f"data: {json.dumps({'error': {'message': str(item)}})}\n\n".encode()
+                else:
+                    yield f"data: {json.dumps(item)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()  # a disconnected client aborts its requests
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await _json_body(request, UpdateFromDisk)
+        version = _parse_version(body.weight_version, engine.version)
+        path = Path(body.model_path)
+        if not path.exists():
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": f"model_path {path} does not exist",
+                    "num_paused_requests": 0,
+                },
+                status_code=400,
+            )
+        if body.abort_all_requests:
+            await engine.abort_all()
+        try:
+            await engine.update_weights(path, version, flush_cache=body.flush_cache)
+        except WeightUpdateError as exc:
+            return JSONResponse(
+                {"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400
+            )
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"weights loaded from {path} as version {version}",
+                "num_paused_requests": 0,
+            }
+        )
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _json_body(request, VersionBody)
+        version = _parse_version(body.new_version, engine.version)
+        if body.abort_all_requests:
+            await engine.abort_all()
+        await engine.set_version(version)
+        return JSONResponse({"success": True, "message": f"weight version is {version}"})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        body = await _json_body(request, PauseBody)
+        await engine.pause(body.mode)
+        return JSONResponse({"message": f"Generation paused ({body.mode.value}).", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        await _json_body(request, _Body)
+        await engine.resume()
+        return JSONResponse({"message": "Generation continued.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_body(request, AbortBody)
+        if body.abort_all:
+            await engine.abort_all()
+        elif body.rid:
+            await engine.abort(body.rid)
+        else:
+            raise ProtocolError("give rid or abort_all")
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        if await engine.flush_cache():
+            return PlainTextResponse(
+                "Cache flushed.\nPlease check backend logs for more details.\n"
+            )
+        return PlainTextResponse(
+            "Cache not flushed: requests are running or queued. Retry when idle.\n", status_code=400
+        )
+
+    def model_info() -> dict[str, Any]:
+        return {
+            "model_path": engine.model_path or engine.model_name,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(engine.version),
+            "served_model_name": engine.model_name,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+        }
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        return JSONResponse(model_info())
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> JSONResponse:
+        return JSONResponse({"weight_version": str(engine.version)})
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        info = model_info()
+        info.update(await engine.health())
+        info["max_running_requests"] = engine.config.max_batch_size
+        return JSONResponse(info)
+
+    @app.get("/get_load")
+    async def get_load() -> JSONResponse:
+        return JSONResponse(
+            {
+                "num_reqs": engine.num_running + engine.num_waiting,
+                "num_running_reqs": engine.num_running,
+                "num_waiting_reqs": engine.num_waiting,
+            }
+        )
+
+    @app.api_route("/health", methods=["GET", "POST"])
+    async def health() -> Response:
+        try:
+            await engine.health()
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/health_generate", methods=["GET", "POST"])
+    async def health_generate() -> Response:
+        try:
+            await engine.health()
+            if engine.num_running == 0 and engine._paused is None:
+                from areal_sdk.inference import SamplingParams
+
+                await asyncio.wait_for(engine.generate([0], SamplingParams(max_new_tokens=1)), 60)
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    return app
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Run an ASGI app under uvicorn in a background thread (tests, notebooks, ``serve``)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, name="areal-engine-http", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the engine HTTP server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,401 @@
+"""Output tokens/s of the embedded engine against plain ``model.generate``, same model/batch.
+
+Runs on CPU (the tiny test model, SmolLM2-135M from the registry) or CUDA (a 0.5B
+Qwen2-shaped model with random weights, built from a config: no hub). Every request has a
+random prompt of ``--prompt-len`` tokens and samples exactly ``--new-tokens`` tokens
+(temperature 1, EOS ignored), so both sides produce the same number of tokens.
+
+    python benchmarks/engine_throughput.py --model tiny --device cpu --concurrency 1,4,16
+    python benchmarks/engine_throughput.py --model smollm2 --device cpu --concurrency 16
+    python benchmarks/engine_throughput.py --model qwen0.5b --device cuda --concurrency 1,32,256 \
+        --new-tokens 256 --hf-batch 256 --weight-update
+
+Prints one JSON object per measurement and, with ``--json PATH``, writes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+QWEN_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+
+def build_model(name: str, device: str, dtype: torch.dtype):
+    """(model, tokenizer-or-None) for ``name``: tiny | smollm2 | qwen0.5b."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if name == "tiny":
+        from tests.tiny_model import build_tiny_model
+
+        path = build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-")), None)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if name == "smollm2":
+        from areal_sdk.models import load_model
+
+        return load_model(
+            "smollm2-135m-instruct", device=device, dtype=str(dtype).split(".")[-1]
+        ).model
+    if name == "qwen0.5b":
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).to(dtype)
+        return model.eval()
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=gen).tolist()
+
+
+def bench_engine(model, args, concurrency: int, graphs: bool | None = None) -> dict:
+    from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
+
+    from areal_sdk.inference import SamplingParams
+
+    engine = EmbeddedEngine(
+        model,
+        None,
+        config=EngineConfig(
+            max_batch_size=concurrency,
+            max_model_len=args.prompt_len + args.new_tokens + 8,
+            prefill_chunk=args.prefill_chunk,
+            cuda_graphs=graphs,
+        ),
+    )
+    vocab = engine.vocab_size
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
+    captured = engine.runner.capture_graphs()
+
+    async def run(batch: list[list[int]], s: SamplingParams) -> float:
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(p, s) for p in batch))
+        elapsed = time.perf_counter() - start
+        assert all(len(o.output_ids) == s.max_new_tokens for o in outs)
+        return elapsed
+
+    async def main() -> float:
+        await run(
+            prompts(concurrency, args.prompt_len, vocab, 1),
+            sampling.model_copy(update={"max_new_tokens": 4}),
+        )
+        elapsed = await run(prompts(concurrency, args.prompt_len, vocab), sampling)
+        await engine.close()
+        return elapsed
+
+    elapsed = asyncio.run(main())
+    tokens = concurrency * args.new_tokens
+    return {
+        "variant": "engine_eager" if graphs is False else "engine",
+        "concurrency": concurrency,
+        "seconds": round(elapsed, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "cuda_graphs": captured,
+        "graph_error": engine.runner.graph_error,
+    }
+
+
+def bench_hf_generate(model, args, batch: int) -> dict:
+    """Plain ``model.generate`` with the model's default attention and DynamicCache."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor(
+        prompts(batch, args.prompt_len, model.config.vocab_size), device=model.device
+    )
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_new_tokens=args.new_tokens,
+        max_new_tokens=args.new_tokens,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
+    with torch.inference_mode():
+        model.generate(ids[:, :16], **{**kwargs, "min_new_tokens": 2, "max_new_tokens": 2})
+        sync(model)
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        sync(model)
+    elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * batch
+    return {
+        "variant": "hf_generate",
+        "concurrency": batch,
+        "seconds": round(elapsed, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 1),
+    }
+
+
+def bench_hf_continuous(model, args, batch: int) -> dict:
+    """transformers' own continuous batching (``generate_batch``), for the record."""
+    from transformers import GenerationConfig
+
+    inputs = prompts(batch, args.prompt_len, model.config.vocab_size)
+    new = min(args.new_tokens, args.hf_cb_tokens)
+    config = GenerationConfig(
+        max_new_tokens=new,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    try:
+        # No inference_mode here: generate_batch runs its own thread, which fails on
+        # inference tensors created outside it.
+        model.generate_batch(inputs=inputs[:4], generation_config=config, progress_bar=False)
+        sync(model)
+        start = time.perf_counter()
+        out = model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False)
+        sync(model)
+    except Exception as exc:  # record why it could not run
+        return {"variant": "hf_generate_batch", "concurrency": batch, "error": repr(exc)[:300]}
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in out.values())
+    return {
+        "variant": "hf_generate_batch",
+        "concurrency": batch,
+        "seconds": round(elapsed, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 1),
+    }
+
+
+def check(device: str) -> dict:
+    """Correctness where the benchmark runs: float32 tiny model, CUDA graphs on for CUDA.
+
+    Greedy output under continuous batching equals HF ``generate`` run alone; logprobs equal
+    a full forward pass; a seeded request draws the same tokens alone and in a batch.
+    """
+    from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
+
+    from areal_sdk.inference import SamplingParams
+
+    model = build_model("tiny", device, torch.float32)
+    ref = build_model("tiny", device, torch.float32)
+    ref.load_state_dict(model.state_dict())
+    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=8, max_model_len=128))
+    base = prompts(1, 60, engine.vocab_size, 3)[0]
+    batch = [base[: 5 + 7 * i] for i in range(8)]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+
+    async def main():
+        together = await asyncio.gather(*(engine.generate(p, greedy) for p in batch))
+        s_batch = await asyncio.gather(*(engine.generate(p, seeded) for p in batch))
+        s_alone = await engine.generate(batch[5], seeded)
+        await engine.close()
+        return together, s_batch, s_alone
+
+    together, s_batch, s_alone = asyncio.run(main())
+    ref.set_attn_implementation("sdpa")
+    greedy_ok, worst = 0, 0.0
+    with torch.inference_mode():
+        for p, out in zip(batch, together, strict=True):
+            ids = torch.tensor([p], device=device)
+            hf = ref.generate(
+                ids, max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
+            )
+            greedy_ok += hf[0, len(p) :].tolist() == out.output_ids
+            full = torch.tensor([p + out.output_ids], device=device)
+            lp = torch.log_softmax(ref(full).logits[0].float(), dim=-1)
+            want = lp[len(p) - 1 : -1].gather(1, full[0, len(p) :].view(-1, 1)).view(-1).tolist()
+            worst = max(worst, max(abs(a - b) for a, b in zip(want, out.logprobs, strict=True)))
+    return {
+        "variant": "check",
+        "device": device,
+        "cuda_graphs": len(engine.runner._graphs),
+        "graph_error": engine.runner.graph_error,
+        "greedy_equal_hf": f"{greedy_ok}/8",
+        "max_logprob_abs_err": worst,
+        "seeded_batch_equals_alone": s_batch[5].output_ids == s_alone.output_ids,
+    }
+
+
+def profile_step(model, args, rows: int) -> dict:
+    """Where one decode step's time goes at ``rows`` rows: forward, sampling, host work."""
+    from areal_sdk.backends.embedded.model_runner import ModelRunner
+    from areal_sdk.backends.embedded.sampler import SamplingBatch, sample
+
+    max_len = args.prompt_len + args.new_tokens + 8
+    runner = ModelRunner(model, num_slots=rows, max_len=max_len)
+    runner.capture_graphs()
+    slots, pos, toks = (
+        list(range(rows)),
+        [args.prompt_len + args.new_tokens // 2] * rows,
+        [11] * rows,
+    )
+
+    def timed(fn, n=30) -> float:
+        fn()
+        sync(model)
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync(model)
+        return (time.perf_counter() - start) / n * 1000
+
+    logits = runner.decode(slots, pos, toks)
+    params = lambda: SamplingBatch.build([(1.0, -1, 1.0, 0.0, None, 0)] * rows, runner.device)  # noqa: E731
+    batch = params()
+    out = {
+        "variant": "profile",
+        "rows": rows,
+        "decode_forward_ms": round(timed(lambda: runner.decode(slots, pos, toks)), 3),
+        "sample_ms": round(timed(lambda: sample(logits, batch)), 3),
+        "sampling_params_build_ms": round(timed(params), 3),
+        "tolist_ms": round(timed(lambda: sample(logits, batch)[0].tolist()), 3),
+    }
+    runner.drop_graphs()
+    return out
+
+
+def bench_weight_update(model) -> list[dict]:
+    from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
+
+    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=1, max_model_len=64))
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = []
+
+    async def timed(source, version) -> float:
+        start = time.perf_counter()
+        await engine.update_weights(source, version)
+        return time.perf_counter() - start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from safetensors.torch import save_model
+
+        save_model(model, str(Path(tmp) / "model.safetensors"))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+
+        async def main():
+            await timed(tensors, 1)  # warm
+            t_mem = await timed(tensors, 2)
+            t_disk = await timed(tmp, 3)
+            await engine.close()
+            return t_mem, t_disk
+
+        t_mem, t_disk = asyncio.run(main())
+    results.append(
+        {"variant": "update_weights_in_process", "seconds": round(t_mem, 4), "bytes": size}
+    )
+    results.append(
+        {"variant": "update_weights_from_disk", "seconds": round(t_disk, 4), "bytes": size}
+    )
+    return results
+
+
+def sync(model) -> None:
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2", "qwen0.5b"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument(
+        "--hf-batch", default="16", help="batch sizes for plain generate ('' skips)"
+    )
+    parser.add_argument(
+        "--hf-cb", action="store_true", help="also time transformers' generate_batch"
+    )
+    parser.add_argument("--hf-cb-tokens", type=int, default=64)
+    parser.add_argument("--weight-update", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="time the parts of a decode step")
+    parser.add_argument(
+        "--eager-too", action="store_true", help="also the top level without graphs"
+    )
+    parser.add_argument("--check", action="store_true", help="first check correctness on --device")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    )
+    if args.prefill_chunk is None:
+        args.prefill_chunk = 8192 if args.device.startswith("cuda") else 512
+    model = build_model(args.model, args.device, dtype)
+    header = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": str(dtype),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    if args.device.startswith("cuda"):
+        header["gpu"] = torch.cuda.get_device_name()
+    print(json.dumps(header), flush=True)
+    results: list[dict] = []
+
+    def part(fn, *a, **kw) -> None:
+        """Run one measurement; a failure is recorded and the others still run."""
+        try:
+            got = fn(*a, **kw)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            got = {"variant": getattr(fn, "__name__", "?"), "error": repr(exc)[:400]}
+        for item in got if isinstance(got, list) else [got]:
+            results.append(item)
+            print(json.dumps(item), flush=True)
+
+    if args.check:
+        part(check, args.device)
+    levels = [int(x) for x in args.concurrency.split(",") if x]
+    for c in levels:
+        part(bench_engine, model, args, c)
+    if args.eager_too and levels:
+        part(bench_engine, model, args, levels[-1], graphs=False)
+    if args.profile and levels:
+        part(profile_step, model, args, levels[-1])
+    if args.weight_update:
+        part(bench_weight_update, model)
+    batches = [int(x) for x in args.hf_batch.split(",") if x]
+    for b in batches:
+        part(bench_hf_generate, model, args, b)
+    if args.hf_cb:
+        for b in batches:
+            part(bench_hf_continuous, model, args, b)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

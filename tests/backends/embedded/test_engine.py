@@ -1,0 +1,196 @@
+"""The engine core: continuous batching, KV cache, sampling, stops, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from areal_sdk.backends.embedded import EmbeddedEngine, EngineInputError
+
+from areal_sdk.inference import SamplingParams
+from tests.backends.embedded.conftest import chat_prompt, full_forward_logprobs, make_engine
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def prompts(engine: EmbeddedEngine, n: int) -> list[list[int]]:
+    base = chat_prompt(
+        engine.tokenizer, "Natalia sold clips to 48 of her friends in April. How many?"
+    )
+    # Mixed lengths: each prompt is a different prefix of a long one, some repeated.
+    return [base[: 3 + (7 * i) % len(base)] for i in range(n)]
+
+
+async def test_greedy_matches_hf_generate(engine: EmbeddedEngine, reference_model) -> None:
+    prompt = prompts(engine, 4)[3]
+    out = await engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0))
+    with torch.no_grad():
+        ref = reference_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert out.output_ids == ref
+    assert out.versions == [0] * len(ref)
+    assert out.finish_reason in ("stop", "length")
+
+
+async def test_logprobs_equal_a_full_forward_pass(engine: EmbeddedEngine, reference_model) -> None:
+    prompt = prompts(engine, 6)[5]
+    for sampling in (
+        SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
+    ):
+        out = await engine.generate(prompt, sampling)
+        ref = full_forward_logprobs(reference_model, prompt, out.output_ids)
+        assert out.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+async def test_temperature_scales_the_logprobs(engine: EmbeddedEngine, reference_model) -> None:
+    prompt = prompts(engine, 2)[1]
+    out = await engine.generate(
+        prompt, SamplingParams(max_new_tokens=6, temperature=0.5, seed=1, top_k=20)
+    )
+    ids = torch.tensor([prompt + out.output_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(reference_model(ids).logits[0].float() / 0.5, dim=-1)
+    ref = [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.output_ids)]
+    assert out.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+async def test_concurrent_requests_match_running_each_alone(engine: EmbeddedEngine) -> None:
+    """32 requests of mixed lengths through 8 slots: continuous batching changes nothing."""
+    items = prompts(engine, 32)
+    samplings = [
+        GREEDY
+        if i % 2 == 0
+        else SamplingParams(max_new_tokens=4 + i % 5, temperature=0.9, top_p=0.95, seed=i)
+        for i in range(32)
+    ]
+    together = await asyncio.gather(
+        *(engine.generate(p, s) for p, s in zip(items, samplings, strict=True))
+    )
+    for i in (0, 1, 7, 30, 31):
+        alone = await engine.generate(items[i], samplings[i])
+        assert together[i].output_ids == alone.output_ids
+        assert together[i].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert all(
+        len(o.output_ids) == s.max_new_tokens for o, s in zip(together, samplings, strict=True)
+    )
+
+
+async def test_seeds_reproduce_and_differ(engine: EmbeddedEngine) -> None:
+    prompt = prompts(engine, 3)[2]
+    s = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True)
+    a = await engine.generate(prompt, s.model_copy(update={"seed": 1}))
+    b = await engine.generate(prompt, s.model_copy(update={"seed": 1}))
+    c = await engine.generate(prompt, s.model_copy(update={"seed": 2}))
+    assert a.output_ids == b.output_ids
+    assert a.output_ids != c.output_ids
+    outs = await engine.generate_n(prompt, s.model_copy(update={"n": 3, "seed": 5}))
+    assert len(outs) == 3 and len({tuple(o.output_ids) for o in outs}) > 1
+
+
+async def test_top_k_one_is_greedy(engine: EmbeddedEngine) -> None:
+    prompt = prompts(engine, 4)[3]
+    greedy = await engine.generate(prompt, GREEDY)
+    top1 = await engine.generate(
+        prompt, GREEDY.model_copy(update={"temperature": 1.3, "top_k": 1, "seed": 3})
+    )
+    assert top1.output_ids == greedy.output_ids
+
+
+async def test_stop_token_ids_and_strings(engine: EmbeddedEngine) -> None:
+    prompt = prompts(engine, 5)[4]
+    free = await engine.generate(
+        prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    target = free.output_ids[3]
+    first = free.output_ids.index(target)
+    by_id = await engine.generate(
+        prompt,
+        SamplingParams(
+            max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[target]
+        ),
+    )
+    assert by_id.output_ids == free.output_ids[: first + 1]
+    assert by_id.finish_reason == "stop" and by_id.matched_stop == target
+    text = engine.tokenizer.decode(free.output_ids[first : first + 2])
+    stop = text.strip()[:3] or text
+    by_text = await engine.generate(
+        prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    )
+    assert by_text.finish_reason == "stop" and by_text.matched_stop == stop
+    assert stop in engine.tokenizer.decode(by_text.output_ids)
+    assert by_text.output_ids == free.output_ids[: len(by_text.output_ids)]
+
+
+async def test_eos_stops_unless_ignored(engine: EmbeddedEngine) -> None:
+    eos = engine.tokenizer.eos_token_id
+    prompt = prompts(engine, 2)[1]
+    free = await engine.generate(prompt, GREEDY)
+    # Make EOS the argmax after the prompt by stopping on the model's own first token as EOS.
+    engine.eos_ids = frozenset({free.output_ids[0], eos})
+    stopped = await engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert stopped.output_ids == free.output_ids[:1] and stopped.finish_reason == "stop"
+    ignored = await engine.generate(prompt, GREEDY)
+    assert ignored.output_ids == free.output_ids and ignored.finish_reason == "length"
+
+
+async def test_long_prompt_is_chunked_and_queued(tiny_model_dir) -> None:
+    """A prompt longer than one prefill chunk, and more requests than KV slots."""
+    eng = make_engine(tiny_model_dir, max_batch_size=2, prefill_chunk=16)
+    try:
+        long = prompts(eng, 6)[5] * 4
+        outs = await asyncio.gather(*(eng.generate(long[: 40 + i], GREEDY) for i in range(5)))
+        alone = make_engine(tiny_model_dir, max_batch_size=1, prefill_chunk=256)
+        try:
+            ref = await alone.generate(long[:44], GREEDY)
+        finally:
+            await alone.close()
+        assert outs[4].output_ids == ref.output_ids
+        assert all(o.finish_reason == "length" for o in outs)
+    finally:
+        await eng.close()
+
+
+async def test_stream_yields_tokens_as_they_come(engine: EmbeddedEngine) -> None:
+    prompt = prompts(engine, 2)[1]
+    chunks = [c async for c in engine.stream(prompt, GREEDY)]
+    assert sum(len(c.ids) for c in chunks) == 8 and len(chunks) >= 2
+    assert chunks[-1].output is not None
+    assert [t for c in chunks for t in c.ids] == chunks[-1].output.output_ids
+
+
+@pytest.mark.parametrize(
+    ("ids", "sampling", "message"),
+    [
+        ([], GREEDY, "empty"),
+        ([1, 10_000], GREEDY, "outside the vocabulary"),
+        ([1] * 300, GREEDY, "context"),
+        ([1, 2], SamplingParams(max_new_tokens=255), "max_new_tokens"),
+        ([1, 2], SamplingParams(n=2), "generate_n"),
+    ],
+)
+async def test_bad_requests_are_refused_and_engine_keeps_serving(
+    engine: EmbeddedEngine, ids: list[int], sampling: SamplingParams, message: str
+) -> None:
+    with pytest.raises(EngineInputError, match=message):
+        await engine.generate(ids, sampling)
+    assert len((await engine.generate([1, 2, 3], GREEDY)).output_ids) == 8
+
+
+async def test_leaving_a_stream_early_aborts_the_request(engine: EmbeddedEngine) -> None:
+    long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    stream = engine.stream(prompts(engine, 2)[1], long, request_id="gone")
+    async for chunk in stream:
+        if chunk.ids:
+            break
+    await stream.aclose()
+    for _ in range(200):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0
+    # The rid is free again.
+    out = await engine.generate([1, 2], SamplingParams(max_new_tokens=2), request_id="gone")
+    assert out.request_id == "gone"
