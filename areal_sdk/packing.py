@@ -18,9 +18,10 @@ sequence has no prediction inside the micro-batch, so its ``loss_mask`` is alway
 
 Bin packing: first-fit-decreasing finds how many micro-batches the token budget needs; that
 count is rounded up to a multiple of ``num_ranks`` (every rank must run the same number of
-forward/backward passes, or collective ops hang), and the samples are then spread over that
-many micro-batches by worst-fit-decreasing (longest first into the emptiest micro-batch that
-fits), which evens out their token counts. Micro-batches go to ranks the same way, so ranks
+forward/backward passes, or collective ops hang). The samples are then spread over that many
+micro-batches by worst-fit-decreasing (longest first into the emptiest micro-batch that
+fits), which evens out their token counts; where that does not fit, FFD's own packing is
+kept (samples moved from shared micro-batches into any extra ones). Micro-batches go to ranks the same way, so ranks
 get similar token totals. A rank short of samples gets a one-token padding micro-batch with
 nothing to train (``loss_mask`` 0), never an empty one.
 
@@ -104,31 +105,50 @@ def _check(sample: TrainingSample, index: int, max_tokens: int) -> None:
             )
 
 
-def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> int:
-    """How many bins first-fit-decreasing needs."""
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices per bin: longest first, each into the first bin with room (fewest bins)."""
+    bins: list[list[int]] = []
     free: list[int] = []
-    for n in sorted(lengths, reverse=True):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         for b, room in enumerate(free):
-            if n <= room:
-                free[b] -= n
+            if lengths[i] <= room:
+                bins[b].append(i)
+                free[b] -= lengths[i]
                 break
         else:
-            free.append(capacity - n)
-    return len(free)
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return bins
 
 
 def _worst_fit_decreasing(
     lengths: Sequence[int], n_bins: int, capacity: int
 ) -> list[list[int]] | None:
-    """Indices per bin, longest first into the emptiest bin that fits; None if one won't fit."""
+    """Indices per bin: longest first, each into the emptiest bin with room; None if stuck."""
     bins: list[list[int]] = [[] for _ in range(n_bins)]
     load = [0] * n_bins
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        b = min(range(n_bins), key=lambda b: (load[b], b))
-        if load[b] + lengths[i] > capacity:
+        fits = [b for b in range(n_bins) if load[b] + lengths[i] <= capacity]
+        if not fits:
             return None
+        b = min(fits, key=lambda b: (load[b], b))
         bins[b].append(i)
         load[b] += lengths[i]
+    return bins
+
+
+def _fill_empty_bins(bins: list[list[int]], lengths: Sequence[int], n_bins: int) -> list[list[int]]:
+    """Pad ``bins`` to ``n_bins``, moving the shortest sample of the heaviest shared bin into
+    each new one (a single sample always fits an empty bin)."""
+    bins = [list(b) for b in bins] + [[] for _ in range(n_bins - len(bins))]
+    for empty in (b for b in bins if not b):
+        donors = [b for b in bins if len(b) > 1]
+        if not donors:
+            break
+        donor = max(donors, key=lambda b: sum(lengths[i] for i in b))
+        shortest = min(donor, key=lambda i: lengths[i])
+        donor.remove(shortest)
+        empty.append(shortest)
     return bins
 
 
@@ -220,12 +240,13 @@ def pack_samples(
     for i, s in enumerate(samples):
         _check(s, i, max_tokens)
     lengths = [len(s.input_ids) for s in samples]
-    n_bins = max(_first_fit_decreasing(lengths, max_tokens), num_ranks)
-    n_bins = -(-n_bins // num_ranks) * num_ranks
-    while (bins := _worst_fit_decreasing(lengths, n_bins, max_tokens)) is None:
-        # Even spreading can strand a long sample that FFD would have fitted; one more
-        # micro-batch per rank always converges (at worst one sample per micro-batch).
-        n_bins += num_ranks
+    tight = _first_fit_decreasing(lengths, max_tokens)
+    n_bins = -(-max(len(tight), num_ranks) // num_ranks) * num_ranks
+    # Balanced when even spreading fits; otherwise FFD's tight packing, so a balance
+    # heuristic never costs an extra forward/backward pass.
+    bins = _worst_fit_decreasing(lengths, n_bins, max_tokens)
+    if bins is None:
+        bins = _fill_empty_bins(tight, lengths, n_bins)
     ranks = _assign_to_ranks(bins, lengths, num_ranks)
     pad_token = samples[0].input_ids[0]
     return [

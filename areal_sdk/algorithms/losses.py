@@ -18,7 +18,8 @@ importance weight ``pi_proximal / pi_behaviour`` (a constant, no gradient)::
     l_t = min(l_t, -A * dual_clip * w)          where A < 0                (dual-clip)
 
 Tokens whose behaviour/proximal mismatch is out of ``[lower, upper]`` are masked (IcePop:
-ratio ``w``; KPop-style: binary KL). Non-decoupled PPO uses ``w = 1``. A k3 KL to a
+ratio ``w``; KPop-style: binary KL). Non-decoupled PPO takes the ratio against the behaviour
+logprobs and uses ``w = 1``. A k3 KL to a
 reference model and an entropy bonus are optional. Per-token losses are aggregated by
 token mean or by sequence mean (see ``aggregate``).
 
@@ -100,9 +101,7 @@ def binary_kl(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tenso
     p_logprobs = p_logprobs.clamp(max=0.0)
     q_logprobs = q_logprobs.clamp(max=0.0)
     p = torch.exp(p_logprobs)
-    kl = p * (p_logprobs - q_logprobs) + (1.0 - p) * (
-        _log1mexp(p_logprobs) - _log1mexp(q_logprobs)
-    )
+    kl = p * (p_logprobs - q_logprobs) + (1.0 - p) * (_log1mexp(p_logprobs) - _log1mexp(q_logprobs))
     return kl.clamp(min=0.0)
 
 
