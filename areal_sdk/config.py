@@ -10,11 +10,12 @@ keys that are allowed there.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -29,9 +30,13 @@ class ModelConfig(Section):
     """The policy model."""
 
     path: str | None = Field(None, description="local HF directory or .gguf file")
-    name: str | None = Field(None, description="a named model from the registry, e.g. smollm2-135m-instruct")
+    name: str | None = Field(
+        None, description="a named model from the registry, e.g. smollm2-135m-instruct"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tokenizer: str | None = Field(None, description="tokenizer directory, if not beside the weights")
+    tokenizer: str | None = Field(
+        None, description="tokenizer directory, if not beside the weights"
+    )
     served_name: str = Field("policy", description="the name GET /v1/models lists")
 
     @model_validator(mode="after")
@@ -44,14 +49,20 @@ class ModelConfig(Section):
 class AgentConfig(Section):
     """The user's agent: a ``@areal.trace`` function and the keyword arguments it gets."""
 
-    entry: str | None = Field(None, description="module:function, e.g. examples.quickstart.agent:solve")
+    entry: str | None = Field(
+        None, description="module:function, e.g. examples.quickstart.agent:solve"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    reward: str | None = Field(None, description="a registered reward function applied to the final answer")
+    reward: str | None = Field(
+        None, description="a registered reward function applied to the final answer"
+    )
 
     @model_validator(mode="after")
     def _entry_shape(self) -> AgentConfig:
         if self.entry is not None and (":" not in self.entry or self.entry.count(":") != 1):
-            raise ValueError(f"agent.entry must look like 'package.module:function', got {self.entry!r}")
+            raise ValueError(
+                f"agent.entry must look like 'package.module:function', got {self.entry!r}"
+            )
         return self
 
 
@@ -90,20 +101,43 @@ class InferenceConfig(Section):
     tool_parser: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     max_new_tokens: int = Field(512, ge=1)
+    prefill_chunk: int = Field(512, ge=1, description="embedded engine: prompt tokens per step")
+    cuda_graphs: bool | None = Field(None, description="embedded engine: decode CUDA graphs")
 
 
 class TrainConfig(Section):
-    """The train backend."""
+    """The train backend (``torch``: one process; ``deepspeed``: ZeRO 0-3 over ranks)."""
 
     backend: str = Field("torch", description="a registered train backend")
-    device: str = "cpu"
+    device: str = Field("cpu", description="cpu | cuda | cuda:N (deepspeed: cpu or cuda)")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=16)
     gradient_checkpointing: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 0
-    bf16: bool = False
+    bf16: bool = Field(False, description="torch: autocast; deepspeed: bf16 weights, fp32 master")
+    attn_implementation: str = Field("sdpa", description="sdpa | eager | flash_attention_2")
+    logprob_chunk_size: int = Field(1024, ge=1, description="rows per vocab-projection chunk")
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="DeepSpeed JSON config merged over the generated one"
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"train.betas must each be in [0, 1), got {list(value)}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, value: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            raise ValueError(f"train.device must be cpu, cuda or cuda:N, got {value!r}")
+        return value
 
 
 class TokenMaskConfig(Section):
@@ -126,7 +160,9 @@ class TokenMaskConfig(Section):
     @model_validator(mode="after")
     def _ordered(self) -> TokenMaskConfig:
         if self.lower > self.upper:
-            raise ValueError(f"algorithm.token_mask.lower ({self.lower}) exceeds upper ({self.upper})")
+            raise ValueError(
+                f"algorithm.token_mask.lower ({self.lower}) exceeds upper ({self.upper})"
+            )
         return self
 
 
@@ -159,10 +195,19 @@ class WeightsConfig(Section):
     """Pushing trained weights into the engine."""
 
     method: str = Field("in_process", description="in_process | disk | broadcast | cuda_ipc")
-    dir: str | None = None
-    keep_last: int = Field(2, ge=1)
-    timeout_s: float = Field(120.0, gt=0)
-    bucket_mb: int = Field(256, ge=1)
+    dir: str | None = Field(None, description="disk: version directories (default run.dir/weights)")
+    keep_last: int = Field(2, ge=1, description="disk: version directories kept")
+    timeout_s: float = Field(120.0, gt=0, description="a sync not done by then fails loudly")
+    bucket_mb: int = Field(256, ge=1, description="tensors per transfer (and per ZeRO-3 gather)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype sent to the engine; auto keeps the trainer's"
+    )
+    master_addr: str = Field("127.0.0.1", description="broadcast/cuda_ipc: the trainer's address")
+    master_port: int = Field(0, ge=0, le=65535, description="broadcast/cuda_ipc: 0 picks one")
+    engine_ranks: int = Field(1, ge=1, description="broadcast: engine processes in the group")
+    group_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="broadcast: nccl when the trainer is on CUDA, else gloo"
+    )
 
 
 class RunConfig(Section):
@@ -199,7 +244,11 @@ def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[s
         if fields is None or part not in fields:
             return []
         annotation = fields[part].annotation
-        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        current = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
         if current is None:
             return []
     return sorted(current.model_fields)
@@ -268,7 +317,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"{path} must hold a mapping of sections, got {type(loaded).__name__}"
+            )
         data = loaded
     if overrides:
         data = apply_overrides(data, overrides)

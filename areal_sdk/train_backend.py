@@ -8,9 +8,9 @@ Loss scaling. ``train_step`` takes one optimizer step over all the micro-batches
 given, accumulating gradients. Each micro-batch's loss is weighted by its share of the
 whole step, so the update does not depend on how the samples were split into micro-batches
 (or across ranks). The share is ``weight(batch) / sum(weight(b) for every b in the step)``,
-where ``weight`` is ``loss_fn.loss_weight`` when the loss function has that attribute and
-the number of loss tokens (``batch.loss_mask.sum()``) otherwise. Token-mean losses are then
-exact; a sequence-mean loss sets ``loss_weight`` to count sequences instead.
+where ``weight`` is ``loss_fn.weight`` when the loss function has that method (the units its
+loss is a mean over: tokens, or sequences; see ``areal_sdk.algorithms.losses.PPOLossFn``)
+and the number of loss tokens (``batch.loss_mask.sum()``) otherwise.
 
 >>> backend = get_host().train_backend("torch")(config)          # doctest: +SKIP
 >>> metrics = backend.train_step(micro_batches, loss_fn)          # doctest: +SKIP
@@ -38,8 +38,8 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def loss_weight_of(loss_fn: LossFn, batch: MicroBatch) -> float:
-    """A micro-batch's weight in its step: ``loss_fn.loss_weight(batch)``, else its loss tokens."""
-    custom = getattr(loss_fn, "loss_weight", None)
+    """A micro-batch's weight in its step: ``loss_fn.weight(batch)``, else its loss tokens."""
+    custom = getattr(loss_fn, "weight", None)
     if custom is not None:
         return float(custom(batch))
     return float(batch.loss_mask.sum().item())

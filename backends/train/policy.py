@@ -1,0 +1,178 @@
+"""The policy as both train backends run it: an HF causal LM that returns token logprobs.
+
+``PackedPolicy`` wraps a Hugging Face ``AutoModelForCausalLM`` so that its ``forward`` takes
+one packed micro-batch (``input_ids`` and ``position_ids`` of shape ``[N]``) and returns the
+logprob (and entropy) of every token given the tokens before it in its sequence. The
+vocabulary projection goes through ``areal_sdk.logprobs.token_logprobs_and_entropy`` on the
+final hidden states, chunked, so ``[N, V]`` float32 logits never exist at once.
+
+The HF ``lm_head`` is replaced by ``LogprobHead``, which holds the *same* parameter (tied
+embeddings stay tied) but computes logprobs instead of logits. Keeping the projection inside
+a submodule's ``forward`` matters under ZeRO-3: DeepSpeed gathers a module's partitioned
+parameters when that module runs, forward and backward, so the head weight is whole exactly
+while it is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# HF names are the wrapped model's names without this prefix.
+POLICY_PREFIX = "policy."
+
+
+class LogprobHead(nn.Module):
+    """The output projection, computing per-token logprobs and entropy of given labels."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        with_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from areal_sdk.logprobs import token_logprobs_and_entropy
+
+        weight = self.weight
+        if weight.dtype != hidden.dtype:
+            # Autocast gives bf16 hidden states over float32 weights; the cast is part of
+            # the graph, so the float32 master weight still gets its gradient.
+            weight = weight.to(hidden.dtype)
+        return token_logprobs_and_entropy(
+            hidden,
+            weight,
+            labels,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+
+
+class PackedPolicy(nn.Module):
+    """An HF causal LM whose forward maps a packed row to aligned token logprobs."""
+
+    def __init__(self, policy: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024):
+        super().__init__()
+        head = policy.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("output projections with a bias are not supported")
+        policy.set_output_embeddings(LogprobHead(head.weight))
+        self.policy = policy
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        with_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs ``[N]`` (and entropy ``[N]``), value t for token t given tokens < t.
+
+        Each sequence's first token has no prediction inside the row: it gets 0.
+        """
+        hidden = self.policy.base_model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=None,
+            use_cache=False,
+        ).last_hidden_state[0]
+        # Row t-1 predicts token t. The last row (predicting past the end) is computed and
+        # dropped, so even a one-token padding micro-batch runs the head and gives every
+        # parameter a (zero) gradient: ranks of ZeRO-2/3 must all reduce the same gradients.
+        lp_all, ent_all = self.policy.get_output_embeddings()(
+            hidden, torch.roll(input_ids, -1), self.temperature, self.chunk_size, with_entropy
+        )
+        lp_rows = lp_all[:-1]
+        ent_rows = None if ent_all is None else ent_all[:-1]
+        starts = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
+        starts[cu_seqlens[:-1].long()] = True
+        keep = ~starts[1:]
+        zero = lp_rows.new_zeros(1)
+        logprobs = torch.cat([zero, torch.where(keep, lp_rows, 0.0)])
+        entropy = None
+        if ent_rows is not None:
+            entropy = torch.cat([zero, torch.where(keep, ent_rows, 0.0)])
+        return logprobs, entropy
+
+
+def load_policy(
+    path: str | Path,
+    *,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    dtype: torch.dtype = torch.float32,
+) -> PackedPolicy:
+    """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    )
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with ZeRO-3 hooks and inputs without grad.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    return PackedPolicy(model, temperature=temperature, chunk_size=chunk_size)
+
+
+def hf_name(name: str) -> str:
+    """``policy.model.layers.0...`` -> ``model.layers.0...`` (the name in the HF checkpoint)."""
+    return name.removeprefix(POLICY_PREFIX)
+
+
+def plan_buckets(sizes: Iterable[int], bucket_bytes: int) -> list[list[int]]:
+    """Group consecutive items into buckets of at most ``bucket_bytes`` (an item larger than
+    that gets a bucket of its own). Returns the item indices of each bucket, in order."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if current and filled + size > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def merge_metrics(parts: list[tuple[float, Mapping[str, float]]]) -> dict[str, float]:
+    """Combine per-micro-batch metrics: ``n_*`` summed, ``*_max`` maxed, the rest averaged
+    with the micro-batches' loss shares (micro-batches with no share are left out)."""
+    out: dict[str, float] = {}
+    keys = {k for _, m in parts for k in m}
+    for key in sorted(keys):
+        values = [(share, float(m[key])) for share, m in parts if key in m]
+        if key.startswith("n_"):
+            out[key] = sum(v for _, v in values)
+        elif key.endswith("_max"):
+            out[key] = max(v for _, v in values)
+        else:
+            total = sum(share for share, _ in values)
+            if total > 0:
+                out[key] = sum(share * v for share, v in values) / total
+    return out

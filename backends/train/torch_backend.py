@@ -1,0 +1,204 @@
+"""The ``torch`` train backend: one process, CPU or one GPU, plain torch AdamW.
+
+bf16 (``train.bf16``) keeps float32 master weights and runs forward/backward under
+``torch.autocast`` (bfloat16). Gradient checkpointing is HF's, non-reentrant. Micro-batches
+are packed and padding-free (``areal_sdk.packing``); logprobs come from the final hidden
+states through the chunked ``token_logprobs_and_entropy``.
+
+>>> backend = TorchBackend("/models/tiny", TrainConfig(lr=1e-5))   # doctest: +SKIP
+>>> metrics = backend.train_step(micro_batches, loss_fn)           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from areal_sdk.backends.train.policy import hf_name, load_policy, merge_metrics, plan_buckets
+
+from areal_sdk.config import TrainConfig
+from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
+
+if TYPE_CHECKING:
+    from areal_sdk.config import Config
+    from areal_sdk.packing import MicroBatch
+
+META_FILE = "train_state.json"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"cuda"`` / ``"cuda:1"`` / ``"cpu"``, failing clearly when CUDA is asked for but absent."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device is {name!r} but CUDA is not available here")
+    return device
+
+
+def model_path_of(config: Config) -> str:
+    if config.model.path is None:
+        raise ValueError("the train backend needs model.path (a local Hugging Face directory)")
+    return config.model.path
+
+
+class TorchBackend(TrainBackend):
+    """Single-process training of a local HF causal LM."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        train: TrainConfig | None = None,
+        *,
+        temperature: float = 1.0,
+        initial_version: int = 0,
+    ) -> None:
+        self.cfg = train or TrainConfig()
+        self._device = resolve_device(self.cfg.device)
+        self.initial_version = initial_version
+        self.model = load_policy(
+            model_path,
+            attn_implementation=self.cfg.attn_implementation,
+            gradient_checkpointing=self.cfg.gradient_checkpointing,
+            temperature=temperature,
+            chunk_size=self.cfg.logprob_chunk_size,
+        ).to(self._device)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.cfg.lr,
+            betas=tuple(self.cfg.betas),
+            eps=self.cfg.eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self._step = 0
+
+    @classmethod
+    def from_config(cls, config: Config) -> TorchBackend:
+        """The factory registered as train backend ``torch``."""
+        return cls(model_path_of(config), config.train, temperature=config.inference.temperature)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.cfg.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=torch.bfloat16)
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def _run(
+        self, batch: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._autocast():
+            return self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, with_entropy)
+
+    @torch.no_grad()
+    def forward_logprobs(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = []
+            for batch in batches:
+                logprobs, _ = self._run(batch.to(self._device), with_entropy=False)
+                out.append(logprobs.float().cpu())
+            return out
+        finally:
+            self.model.train(was_training)
+
+    def train_step(self, batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        if not batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        weights = [loss_weight_of(loss_fn, b) for b in batches]
+        total = sum(weights)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        parts: list[tuple[float, dict[str, float]]] = []
+        step_loss = 0.0
+        for batch, weight in zip(batches, weights, strict=True):
+            share = weight / total if total > 0 else 0.0
+            mb = batch.to(self._device)
+            logprobs, entropy = self._run(mb, with_entropy=True)
+            loss, metrics = loss_fn(logprobs.float(), entropy, mb)
+            (loss * share).backward()
+            step_loss += share * float(loss.detach())
+            parts.append((share, metrics))
+        metrics = merge_metrics(parts)
+        metrics.update(self._apply_gradients(skip=total <= 0))
+        metrics["loss"] = step_loss
+        metrics["tokens"] = float(sum(b.num_tokens for b in batches))
+        return metrics
+
+    def _apply_gradients(self, *, skip: bool) -> dict[str, float]:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if skip or not math.isfinite(grad_norm):
+            # Nothing to learn from (all padding), or a bad batch: keep the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
+
+    # -- weights out -----------------------------------------------------------------------
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trained parameters under their HF names (tied weights once)."""
+        return [(hf_name(n), p) for n, p in self.model.named_parameters()]
+
+    @torch.no_grad()
+    def state_for_sync(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        named = self.named_parameters()
+        sizes = [p.numel() * p.element_size() for _, p in named]
+        for bucket in plan_buckets(sizes, bucket_bytes):
+            yield [(named[i][0], named[i][1].detach()) for i in bucket]
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_model
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_model(self.model, str(directory / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        # Written last: a directory with this file holds a complete checkpoint.
+        meta = {"backend": "torch", "step": self._step, "initial_version": self.initial_version}
+        (directory / META_FILE).write_text(json.dumps(meta))
+
+    def load(self, directory: str | Path) -> None:
+        from safetensors.torch import load_model
+
+        directory = Path(directory)
+        meta = read_meta(directory, "torch")
+        load_model(self.model, str(directory / "model.safetensors"), device=str(self._device))
+        state = torch.load(directory / "optimizer.pt", map_location=self._device, weights_only=True)
+        self.optimizer.load_state_dict(state)
+        self._step = int(meta["step"])
+        self.initial_version = int(meta.get("initial_version", 0))
+
+
+def read_meta(directory: Path, backend: str) -> dict[str, Any]:
+    """The checkpoint's ``train_state.json``, checked to be ``backend``'s."""
+    path = directory / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {META_FILE})")
+    meta = json.loads(path.read_text())
+    if meta.get("backend") != backend:
+        raise ValueError(
+            f"{directory} is a {meta.get('backend')!r} checkpoint; the {backend!r} backend "
+            "cannot load it"
+        )
+    return meta

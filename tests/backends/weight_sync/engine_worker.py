@@ -1,0 +1,27 @@
+"""An engine process hosting a weight-sync receiver (spawned by the tests)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tests.backends.train.common import FIXED_SEQUENCE
+
+
+def serve(method: str, model_dir: str, port: int, out: Any, syncs: int, per_bucket: bool) -> None:
+    async def run() -> None:
+        from areal_sdk.backends.embedded.engine import EmbeddedEngine
+
+        if method == "broadcast":
+            from areal_sdk.backends.weight_sync.broadcast import BroadcastReceiver as Receiver
+        else:
+            from areal_sdk.backends.weight_sync.cuda_ipc import CudaIpcReceiver as Receiver
+        engine = EmbeddedEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+        receiver = Receiver(engine, port=port, timeout_s=30, apply_per_bucket=per_bucket)
+        await receiver.connect()
+        for _ in range(syncs):
+            version = await receiver.receive_one(idle_timeout_s=60)
+            out.put((version, engine.version, await engine.score(FIXED_SEQUENCE)))
+        await engine.close()
+
+    asyncio.run(run())
