@@ -1,0 +1,321 @@
+"""The part every route shares: prompt -> engine -> decoded, parsed, recorded completions.
+
+Routes only translate wire formats. ``Generator.chat`` takes a conversation in the internal
+shape, builds the prompt (reusing sampled history token-exactly), checks the context window,
+samples ``n`` completions, splits reasoning and tool calls out of each, and records every
+completion as a ``Turn`` of the caller's episode.
+
+A completion that the engine returns with ``finish_reason="abort"`` (weights were being
+updated) is resubmitted with its partial output appended, as AReaL's client does, so the
+client sees one completion whose ``versions`` show where the weights changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from areal_sdk.gateway.conversation import Message, Tool, ToolCall, new_call_id
+from areal_sdk.gateway.errors import GatewayError, from_validation
+from areal_sdk.gateway.metrics import GatewayMetrics
+from areal_sdk.gateway.sessions import Session, SessionManager
+from areal_sdk.gateway.templating import HistoryEntry, Prompt, PromptBuilder, render_key
+from areal_sdk.gateway.tool_parsers import ToolCallParser, split_reasoning
+from areal_sdk.inference import GenerateOutput, InferenceBackend, SamplingParams
+from areal_sdk.trajectory import Turn, TurnApi
+
+# An engine that keeps aborting (paused for longer than this many resubmissions) fails the call.
+MAX_RESUBMITS = 64
+
+
+@dataclass
+class Sampled:
+    """One completion, decoded and parsed."""
+
+    output: GenerateOutput
+    text: str  # decoded completion, without the end-of-turn token, cut at a stop string
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"  # stop | length | tool_calls
+    matched_stop: str | None = None  # the stop string that ended it, if one did
+    turn: Turn | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.output.output_ids
+
+    def reply(self) -> Message:
+        return Message(
+            role="assistant",
+            content=self.content,
+            tool_calls=self.tool_calls,
+            reasoning=self.reasoning,
+        )
+
+
+@dataclass
+class ChatResult:
+    prompt: Prompt
+    choices: list[Sampled]
+
+
+class Generator:
+    def __init__(
+        self,
+        backend: InferenceBackend,
+        builder: PromptBuilder,
+        parser: ToolCallParser,
+        sessions: SessionManager,
+        metrics: GatewayMetrics,
+        *,
+        max_model_len: int,
+        default_max_tokens: int,
+    ) -> None:
+        self.backend = backend
+        self.builder = builder
+        self.tokenizer = builder.tokenizer
+        self.parser = parser
+        self.sessions = sessions
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+
+    # -- sampling --------------------------------------------------------------------------
+
+    def sampling(self, prompt_len: int, max_tokens: int | None, **fields: Any) -> SamplingParams:
+        """SamplingParams for a request, after checking it fits the context window."""
+        room = self.max_model_len - prompt_len
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = max_tokens if max_tokens is not None else 1
+            raise GatewayError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + asked} tokens ({prompt_len} in the messages, "
+                f"{asked} in the completion). Please reduce the length of the messages or "
+                "completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        budget = max_tokens if max_tokens is not None else min(self.default_max_tokens, room)
+        clean = {k: v for k, v in fields.items() if v is not None}
+        try:
+            return SamplingParams(max_new_tokens=budget, **clean)
+        except ValidationError as exc:
+            raise from_validation(exc) from exc
+
+    async def _generate_one(
+        self, prompt_ids: list[int], sampling: SamplingParams
+    ) -> GenerateOutput:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        meta: dict[str, Any] = {}
+        out: GenerateOutput | None = None
+        for _ in range(MAX_RESUBMITS):
+            left = sampling.max_new_tokens - len(ids)
+            part = sampling.model_copy(update={"max_new_tokens": left})
+            try:
+                out = await self.backend.generate([*prompt_ids, *ids], part)
+            except GatewayError:
+                raise
+            except ValueError as exc:  # the engine's own input checks (EngineInputError)
+                raise GatewayError(
+                    400,
+                    f"the inference engine refused the request: {exc}"[:500],
+                    code="invalid_request",
+                ) from exc
+            except Exception as exc:  # the engine is down or refused: 503, no trace to the client
+                raise GatewayError(
+                    503,
+                    f"the inference engine is unavailable ({type(exc).__name__}: {exc})"[:500],
+                    code="engine_unavailable",
+                ) from exc
+            ids += out.output_ids
+            logprobs += out.logprobs
+            versions += out.versions
+            for k, v in out.meta.items():
+                if isinstance(v, list) and isinstance(meta.get(k), list):
+                    meta[k] = meta[k] + v
+                else:
+                    meta[k] = v
+            if out.finish_reason != "abort" or len(ids) >= sampling.max_new_tokens:
+                break
+            if not out.output_ids:
+                await asyncio.sleep(0.05)  # paused engine: give the weight update time
+        assert out is not None
+        finish = "length" if out.finish_reason == "abort" else out.finish_reason
+        return GenerateOutput(
+            output_ids=ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=finish,
+            matched_stop=out.matched_stop,
+            prompt_tokens=len(prompt_ids),
+            request_id=out.request_id,
+            meta=meta,
+        )
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams
+    ) -> list[GenerateOutput]:
+        if sampling.n == 1:
+            return [await self._generate_one(prompt_ids, sampling)]
+        one = sampling.model_copy(update={"n": 1})
+        return list(
+            await asyncio.gather(
+                *(
+                    self._generate_one(
+                        prompt_ids,
+                        one.model_copy(update={"seed": None if one.seed is None else one.seed + i}),
+                    )
+                    for i in range(sampling.n)
+                )
+            )
+        )
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def decode(self, output: GenerateOutput, stops: list[str]) -> tuple[str, str | None]:
+        """The completion's text as the client sees it, and the stop string that ended it."""
+        ids = output.output_ids
+        if ids and ids[-1] in self.builder.end_ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        matched: str | None = None
+        cut = len(text)
+        for stop in stops:  # OpenAI and Anthropic both exclude the stop string
+            pos = text.find(stop)
+            if 0 <= pos < cut:
+                cut, matched = pos, stop
+        if isinstance(output.matched_stop, str) and output.matched_stop in stops:
+            matched = matched or output.matched_stop
+        return text[:cut], matched
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def finish(
+        self,
+        output: GenerateOutput,
+        stops: list[str],
+        *,
+        parse_tools: bool,
+        parallel_tool_calls: bool = True,
+    ) -> Sampled:
+        text, matched = self.decode(output, stops)
+        split = split_reasoning(text)
+        content, calls = split.content, []
+        if parse_tools:
+            parsed = self.parser(content)
+            content = parsed.content
+            calls = [
+                ToolCall(id=new_call_id(), name=c.name, arguments=c.arguments)
+                for c in parsed.tool_calls
+            ]
+            if not parallel_tool_calls:
+                calls = calls[:1]
+        if calls:
+            reason = "tool_calls"
+        elif output.finish_reason == "length":
+            reason = "length"
+        else:
+            reason = "stop"
+        return Sampled(
+            output=output,
+            text=text,
+            content=content,
+            reasoning=split.reasoning,
+            tool_calls=calls,
+            finish_reason=reason,
+            matched_stop=matched,
+        )
+
+    # -- recording -------------------------------------------------------------------------
+
+    def make_turn(
+        self,
+        api: TurnApi,
+        request: dict[str, Any],
+        prompt_ids: list[int],
+        output: GenerateOutput,
+        finish_reason: str,
+        metadata: dict[str, Any],
+    ) -> Turn:
+        return Turn(
+            api=api,
+            request=request,
+            prompt_ids=list(prompt_ids),
+            completion_ids=list(output.output_ids),
+            logprobs=list(output.logprobs),
+            versions=list(output.versions),
+            finish_reason=finish_reason,
+            metadata=metadata,
+        )
+
+    def count_tokens(self, prompt_len: int, outputs: list[GenerateOutput]) -> None:
+        self.metrics.tokens.labels("prompt").inc(prompt_len)
+        self.metrics.tokens.labels("completion").inc(sum(len(o.output_ids) for o in outputs))
+
+    # -- the chat-shaped call (chat completions, responses, messages) -----------------------
+
+    async def chat(
+        self,
+        session: Session | None,
+        api: TurnApi,
+        request: dict[str, Any],
+        messages: list[Message],
+        tools: list[Tool],
+        *,
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+        parse_tools: bool,
+        parallel_tool_calls: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatResult:
+        kwargs = template_kwargs or {}
+        history = session.history if session is not None else ()
+        prompt = self.builder.build(messages, tools, history, kwargs)
+        if prompt.reused is not None:
+            self.metrics.history_merges.inc()
+        elif prompt.split_reason is not None:
+            self.metrics.history_splits.labels(prompt.split_reason).inc()
+        params = self.sampling(len(prompt.ids), max_tokens, **sampling)
+        outputs = await self.generate(prompt.ids, params)
+        self.count_tokens(len(prompt.ids), outputs)
+        choices = [
+            self.finish(
+                o, params.stop, parse_tools=parse_tools, parallel_tool_calls=parallel_tool_calls
+            )
+            for o in outputs
+        ]
+        if session is not None:
+            rkey = render_key(tools, kwargs)
+            convo = tuple(m.key() for m in messages)
+            source = "merged" if prompt.reused else (prompt.split_reason or "templated")
+            for i, choice in enumerate(choices):
+                meta: dict[str, Any] = {"choice": i, "prompt_source": source}
+                if choice.reasoning is not None:
+                    meta["reasoning"] = choice.reasoning
+                if choice.tool_calls:
+                    meta["tool_calls"] = [
+                        {"id": c.id, "name": c.name, "arguments": json.loads(c.arguments)}
+                        for c in choice.tool_calls
+                    ]
+                turn = self.make_turn(
+                    api, request, prompt.ids, choice.output, choice.finish_reason, meta
+                )
+                entry = HistoryEntry(
+                    messages=convo,
+                    reply=choice.reply().key(),
+                    render_key=rkey,
+                    prompt_ids=prompt.ids,
+                    completion_ids=choice.output.output_ids,
+                )
+                self.sessions.record(session, turn, entry)
+                choice.turn = turn
+        return ChatResult(prompt=prompt, choices=choices)

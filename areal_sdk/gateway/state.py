@@ -1,0 +1,141 @@
+"""What every route needs: the gateway's state, caller authentication, body parsing, SSE.
+
+The API key of a call is read from ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (the
+OpenAI and Anthropic SDKs send one each). An episode key ties the call to its session; the
+admin token is accepted too, for calls that belong to no episode (nothing is recorded); any
+other key is a 401 in the caller's format.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from areal_sdk.gateway.errors import ApiFlavor, GatewayError, from_validation
+from areal_sdk.gateway.generation import Generator
+from areal_sdk.gateway.metrics import GatewayMetrics
+from areal_sdk.gateway.sessions import Session, SessionManager
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class Gateway:
+    generator: Generator
+    sessions: SessionManager
+    metrics: GatewayMetrics
+    admin_token: str
+    model_name: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = self.created or int(time.time())
+
+    def is_admin(self, key: str | None) -> bool:
+        return key is not None and hmac.compare_digest(key.encode(), self.admin_token.encode())
+
+
+@dataclass
+class Caller:
+    """Who made a call: an episode's session, or the admin (no session)."""
+
+    session: Session | None
+    admin: bool = False
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def api_key_of(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return auth[7:].strip()
+    key = request.headers.get("x-api-key", "").strip()
+    return key or None
+
+
+def authenticate(request: Request, flavor: ApiFlavor) -> Caller:
+    gw = gateway_of(request)
+    key = api_key_of(request)
+    if key is None:
+        raise GatewayError(
+            401,
+            "You didn't provide an API key. Use the episode key (or the admin "
+            "token) as the API key.",
+            code="invalid_api_key",
+        )
+    if gw.is_admin(key):
+        return Caller(session=None, admin=True)
+    session = gw.sessions.by_key(key)
+    if session is None:
+        raise GatewayError(
+            401,
+            "Incorrect API key provided: the key is unknown or its episode has ended.",
+            code="invalid_api_key",
+        )
+    return Caller(session=session)
+
+
+def require_admin(request: Request) -> None:
+    if not gateway_of(request).is_admin(api_key_of(request)):
+        raise GatewayError(401, "this route needs the admin token", code="invalid_api_key")
+
+
+@asynccontextmanager
+async def in_call(gw: Gateway, caller: Caller) -> AsyncIterator[None]:
+    """Counts the call as in flight, so ending its session waits for its turn."""
+    if caller.session is None:
+        yield
+        return
+    gw.sessions.begin_call(caller.session)
+    try:
+        yield
+    finally:
+        gw.sessions.end_call(caller.session)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GatewayError(
+            400, "We could not parse the JSON body of your request.", code="invalid_json"
+        ) from exc
+    if not isinstance(body, dict):
+        raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def parse(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from exc
+
+
+def sse(events: Iterable[tuple[str | None, Any]], *, done: bool) -> StreamingResponse:
+    """Server-sent events: ``(event name or None, JSON payload)`` pairs, then ``[DONE]``."""
+
+    async def body() -> AsyncIterator[bytes]:
+        for name, payload in events:
+            head = f"event: {name}\n" if name else ""
+            yield f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+        if done:
+            yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
