@@ -132,9 +132,8 @@ EpisodeCallback = Callable[[Episode], Awaitable[None] | None]
 class RolloutController:
     """Runs ``agent(task)`` over tasks: ``group_size`` samples each, ``concurrency`` at once.
 
-    ``admit`` (optional) is awaited before each episode starts: the training loop uses it
-    for staleness admission control. ``version`` (optional) reads the weight version an
-    episode starts under.
+    Admission control (bounded staleness) is the caller's: the training loop admits a whole
+    group before calling ``run_group``, and passes the version it started under as metadata.
     """
 
     def __init__(
@@ -148,9 +147,6 @@ class RolloutController:
         retries: int = 0,
         reward_fn: RewardFn | None = None,
         agent_kwargs: dict[str, Any] | None = None,
-        admit: Callable[[], Awaitable[None]] | None = None,
-        release: Callable[[Episode], None] | None = None,
-        version: Callable[[], int] | None = None,
         on_episode: EpisodeCallback | None = None,
     ) -> None:
         self.agent = agent
@@ -160,9 +156,6 @@ class RolloutController:
         self.retries = retries
         self.reward_fn = reward_fn
         self.agent_kwargs = agent_kwargs or {}
-        self.admit = admit
-        self.release = release
-        self.version = version
         self.on_episode = on_episode
         self._slots = asyncio.Semaphore(concurrency)
         self._scope = _ControllerScope()
@@ -183,29 +176,33 @@ class RolloutController:
         summary.seconds = time.perf_counter() - start
         return summary
 
-    async def run_group(self, task: dict[str, Any]) -> list[Episode]:
+    async def run_group(
+        self, task: dict[str, Any], *, metadata: dict[str, Any] | None = None
+    ) -> list[Episode]:
         """One GRPO group: ``group_size`` final episodes of the same task."""
         group_id = f"grp-{task['id']}-{uuid.uuid4().hex[:8]}"
-        results = await asyncio.gather(*(self.run_one(task, group_id) for _ in range(self.group_size)))
+        results = await asyncio.gather(
+            *(self.run_one(task, group_id, metadata=metadata) for _ in range(self.group_size))
+        )
         return [attempts[-1] for attempts in results]
 
-    async def run_one(self, task: dict[str, Any], group_id: str) -> list[Episode]:
+    async def run_one(
+        self, task: dict[str, Any], group_id: str, *, metadata: dict[str, Any] | None = None
+    ) -> list[Episode]:
         """One sample of a task, retried on failure; returns every attempt's episode."""
         attempts: list[Episode] = []
         for attempt in range(self.retries + 1):
-            episode = await self._attempt(task, group_id, attempt)
+            episode = await self._attempt(task, group_id, attempt, metadata or {})
             attempts.append(episode)
             if episode.status == EpisodeStatus.OK:
                 break
         return attempts
 
-    async def _attempt(self, task: dict[str, Any], group_id: str, attempt: int) -> Episode:
-        if self.admit is not None:
-            await self.admit()
+    async def _attempt(
+        self, task: dict[str, Any], group_id: str, attempt: int, extra: dict[str, Any]
+    ) -> Episode:
         async with self._slots:
-            metadata: dict[str, Any] = {"attempt": attempt}
-            if self.version is not None:
-                metadata["start_version"] = self.version()
+            metadata: dict[str, Any] = {**extra, "attempt": attempt}
             episode = Episode(task_id=str(task["id"]), group_id=group_id, metadata=metadata)
             api_key = await self.sessions.open(episode)
             ctx = EpisodeContext(
@@ -214,15 +211,15 @@ class RolloutController:
             result, error = await self._call_agent(task, ctx)
             self._finalize(ctx, task, result, error)
             stored = await self.sessions.end(ctx)
-        if self.release is not None:
-            self.release(stored)
         if self.on_episode is not None:
             maybe = self.on_episode(stored)
             if asyncio.iscoroutine(maybe):
                 await maybe
         return stored
 
-    async def _call_agent(self, task: dict[str, Any], ctx: EpisodeContext) -> tuple[Any, str | None]:
+    async def _call_agent(
+        self, task: dict[str, Any], ctx: EpisodeContext
+    ) -> tuple[Any, str | None]:
         token = _prepared.set(ctx)
         try:
             with rollout_scope(self._scope):
@@ -240,7 +237,9 @@ class RolloutController:
             _prepared.reset(token)
         return result, None
 
-    def _finalize(self, ctx: EpisodeContext, task: dict[str, Any], result: Any, error: str | None) -> None:
+    def _finalize(
+        self, ctx: EpisodeContext, task: dict[str, Any], result: Any, error: str | None
+    ) -> None:
         ep = ctx.episode
         ep.ended = ep.ended or time.time()
         if error is not None:

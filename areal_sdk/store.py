@@ -167,6 +167,15 @@ class TrajectoryStore:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def release_consumed_from(self, step: int) -> int:
+        """Forget consumption by steps ``>= step`` (their updates were lost with a crash before
+        the next checkpoint), so a resumed run trains those episodes again exactly once."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE episodes SET consumed_step=NULL WHERE consumed_step >= ?", (step,)
+            )
+            return cur.rowcount
+
     # -- reading ---------------------------------------------------------------------------
 
     def _where(
@@ -248,7 +257,9 @@ class TrajectoryStore:
 
     def get(self, episode_id: str) -> Episode:
         with self._lock:
-            row = self._db.execute("SELECT body FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT body FROM episodes WHERE id = ?", (episode_id,)
+            ).fetchone()
         if row is None:
             raise StoreError(f"no episode {episode_id!r} in {self.path}")
         return Episode.from_json(row[0])
@@ -256,7 +267,9 @@ class TrajectoryStore:
     def count(self, **filters: object) -> int:
         where, args = self._where(**filters)  # type: ignore[arg-type]
         with self._lock:
-            return int(self._db.execute(f"SELECT COUNT(*) FROM episodes{where}", args).fetchone()[0])
+            return int(
+                self._db.execute(f"SELECT COUNT(*) FROM episodes{where}", args).fetchone()[0]
+            )
 
     def consumed_steps(self) -> dict[str, int]:
         """episode id -> the training step that consumed it."""
@@ -268,7 +281,10 @@ class TrajectoryStore:
 
     def runs(self) -> list[str]:
         with self._lock:
-            return [r[0] for r in self._db.execute("SELECT DISTINCT run_id FROM episodes ORDER BY run_id")]
+            return [
+                r[0]
+                for r in self._db.execute("SELECT DISTINCT run_id FROM episodes ORDER BY run_id")
+            ]
 
     # -- export ----------------------------------------------------------------------------
 

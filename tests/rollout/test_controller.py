@@ -40,7 +40,9 @@ def run(controller, tasks):
 def test_group_size_concurrency_and_store(tmp_path):
     store = TrajectoryStore(tmp_path)
     tasks = [{"id": f"t{i}", "score": i / 10} for i in range(4)]
-    summary = run(RolloutController(scored, StoreSessions(store), group_size=3, concurrency=2), tasks)
+    summary = run(
+        RolloutController(scored, StoreSessions(store), group_size=3, concurrency=2), tasks
+    )
     assert len(summary.episodes) == 12 and len(summary.ok) == 12
     groups = {}
     for ep in store.query():
@@ -53,7 +55,11 @@ def test_group_size_concurrency_and_store(tmp_path):
 
 def test_a_failing_or_hanging_agent_fails_only_its_episode(tmp_path):
     store = TrajectoryStore(tmp_path)
-    tasks = [{"id": "ok", "score": 1}, {"id": "boom", "raise": True}, {"id": "slow", "hang": True, "score": 1}]
+    tasks = [
+        {"id": "ok", "score": 1},
+        {"id": "boom", "raise": True},
+        {"id": "slow", "hang": True, "score": 1},
+    ]
     controller = RolloutController(async_scored, StoreSessions(store), timeout_s=0.5)
     asyncio.run(controller.run(tasks[:1] + tasks[2:]))
     sync = RolloutController(scored, StoreSessions(store), timeout_s=0.5, retries=1)
@@ -75,35 +81,37 @@ def test_reward_function_scores_a_string_answer(tmp_path):
         return task["guess"]
 
     store = TrajectoryStore(tmp_path)
-    reward = lambda completion, task: float(completion == task["answer"])
+
+    def reward(completion, task):
+        return float(completion == task["answer"])
+
     tasks = [{"id": "a", "guess": "4", "answer": "4"}, {"id": "b", "guess": "5", "answer": "4"}]
     summary = run(RolloutController(answer, StoreSessions(store), reward_fn=reward), tasks)
     assert sorted(e.reward for e in summary.episodes) == [0.0, 1.0]
 
 
-def test_admission_hook_gates_episode_starts(tmp_path):
-    started = []
-    gate = asyncio.Event()
-
-    async def admit():
-        await gate.wait()
-
-    async def main():
-        controller = RolloutController(
-            scored, StoreSessions(TrajectoryStore(tmp_path)), admit=admit, on_episode=lambda e: started.append(e.id)
-        )
-        job = asyncio.create_task(controller.run([{"id": "t", "score": 1}]))
-        await asyncio.sleep(0.1)
-        assert started == []  # held at admission
-        gate.set()
-        return await job
-
-    assert len(asyncio.run(main()).episodes) == 1 and len(started) == 1
+def test_run_group_shares_a_group_and_metadata(tmp_path):
+    store = TrajectoryStore(tmp_path)
+    seen = []
+    controller = RolloutController(
+        scored, StoreSessions(store), group_size=3, on_episode=lambda e: seen.append(e.id)
+    )
+    group = asyncio.run(
+        controller.run_group({"id": "t", "score": 1}, metadata={"start_version": 4})
+    )
+    assert len(group) == 3 and len({e.group_id for e in group}) == 1
+    assert all(e.metadata["start_version"] == 4 for e in group)
+    assert sorted(seen) == sorted(e.id for e in group) == sorted(e.id for e in store.query())
 
 
 def test_load_tasks_and_agent(tmp_path):
     data = tmp_path / "tasks.jsonl"
-    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n\n" + json.dumps({"id": 7, "q": 1}) + "\n")
+    data.write_text(
+        json.dumps({"question": "1+1", "answer": "2"})
+        + "\n\n"
+        + json.dumps({"id": 7, "q": 1})
+        + "\n"
+    )
     tasks = load_tasks(data)
     assert [t["id"] for t in tasks] == ["tasks:1", "7"]
     (tmp_path / "bad.jsonl").write_text("{not json}\n")

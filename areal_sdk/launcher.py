@@ -1,0 +1,210 @@
+"""The local launcher: engine and gateway on loopback, sessions over HTTP, clean shutdown.
+
+The gateway runs on its own thread and event loop, so an agent that blocks (a synchronous
+SDK client inside an async function, a slow tool) can never stall the server that answers
+it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from areal_sdk.config import Config
+from areal_sdk.hookspecs import GatewayRoute
+from areal_sdk.inference import InferenceBackend
+from areal_sdk.plugin_host import PluginHost, get_host
+from areal_sdk.store import TrajectoryStore
+from areal_sdk.tracing import EpisodeContext
+from areal_sdk.trajectory import Episode, EpisodeStatus
+
+ADMIN_TOKEN_ENV = "AREAL_SDK_ADMIN_TOKEN"
+
+
+class LaunchError(RuntimeError):
+    """A service could not start; the message says which and why."""
+
+
+class ServerThread:
+    """A uvicorn server for an ASGI app on its own thread; ``url`` once started."""
+
+    def __init__(
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "server"
+    ) -> None:
+        import uvicorn
+
+        self.name = name
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
+            )
+        )
+        self._thread = threading.Thread(target=self._server.run, name=f"areal-{name}", daemon=True)
+        self.url = ""
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise LaunchError(f"the {self.name} exited while starting (port in use?)")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the {self.name} did not start within {timeout_s:g} s")
+            time.sleep(0.01)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+
+class RunSink:
+    """The gateway's episode sink: the store, tagging each episode with its phase's run id."""
+
+    def __init__(self, store: TrajectoryStore) -> None:
+        self.store = store
+
+    def append(self, episode: Episode) -> None:
+        self.store.append(episode, run_id=episode.metadata.get("run_id"))
+
+
+@dataclass
+class GatewaySessions:
+    """Sessions through the gateway's ``/rl/sessions`` routes (a ``SessionClient``).
+
+    After ``end`` the episode is read back from the store, so what the trainer gets is
+    exactly what was committed.
+    """
+
+    base_url: str
+    admin_token: str
+    store: TrajectoryStore
+    run_id: str = "train"
+    timeout_s: float = 60.0
+    _client: httpx.AsyncClient | None = field(default=None, repr=False)
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers={"Authorization": f"Bearer {self.admin_token}"},
+                timeout=self.timeout_s,
+            )
+        return self._client
+
+    async def open(self, episode: Episode) -> str:
+        episode.metadata["run_id"] = self.run_id
+        reply = await self._http().post(
+            "/rl/sessions",
+            json={
+                "episode_id": episode.id,
+                "task_id": episode.task_id,
+                "group_id": episode.group_id,
+                "metadata": episode.metadata,
+            },
+        )
+        if reply.status_code != 200:
+            raise LaunchError(
+                f"gateway refused a session ({reply.status_code}): {reply.text[:300]}"
+            )
+        return str(reply.json()["api_key"])
+
+    async def end(self, ctx: EpisodeContext) -> Episode:
+        ep = ctx.episode
+        for turn_id, value in ctx.turn_rewards.items():
+            await self._http().post(
+                f"/rl/sessions/{ep.id}/reward", json={"reward": value, "turn_id": turn_id}
+            )
+        body = {
+            "status": ep.status.value,
+            "reward": ep.reward,
+            "error": ep.error,
+            "metadata": ep.metadata,
+        }
+        for attempt in range(5):
+            reply = await self._http().post(f"/rl/sessions/{ep.id}/end", json=body)
+            if reply.status_code == 200:
+                return await asyncio.to_thread(self.store.get, ep.id)
+            if reply.status_code != 503:
+                break
+            await asyncio.sleep(0.2 * 2**attempt)  # the store was busy: the key is still valid
+        # The gateway lost the session: keep the outcome (without turns) rather than drop it.
+        ep.status = EpisodeStatus.FAILED
+        ep.error = (
+            ep.error
+            or f"gateway could not end the episode ({reply.status_code}): {reply.text[:200]}"
+        )
+        await asyncio.to_thread(self.store.append, ep, run_id=self.run_id)
+        return ep
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class LocalStack:
+    """The inference engine and the gateway, in this process, on loopback."""
+
+    def __init__(
+        self, cfg: Config, store: TrajectoryStore, *, host: PluginHost | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.host = host or get_host()
+        self.admin_token = secrets.token_urlsafe(24)
+        self.engine: InferenceBackend | None = None
+        self._gateway: ServerThread | None = None
+        self.url = ""
+
+    def start(self) -> LocalStack:
+        from areal_sdk.gateway import create_app
+
+        factory = self.host.inference_backend(self.cfg.inference.backend)
+        self.engine = factory(self.cfg)
+        app = create_app(
+            self.engine,
+            admin_token=self.admin_token,
+            episode_sink=RunSink(self.store),
+            model_name=self.cfg.model.served_name,
+            tool_parser=self.cfg.inference.tool_parser,
+            default_max_tokens=self.cfg.inference.max_new_tokens,
+            host=self.host,
+        )
+        self._gateway = ServerThread(
+            app, host=self.cfg.inference.host, port=self.cfg.inference.port, name="gateway"
+        )
+        self.url = self._gateway.start()
+        self.host.install_routing(GatewayRoute(self.url))
+        return self
+
+    def sessions(self, run_id: str) -> GatewaySessions:
+        return GatewaySessions(self.url, self.admin_token, self.store, run_id=run_id)
+
+    def stop(self) -> None:
+        self.host.remove_routing()
+        if self._gateway is not None:
+            self._gateway.stop()
+            self._gateway = None
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            asyncio.run(engine.close())
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def config_dir_of(path: str | Path) -> Path:
+    return Path(path).resolve().parent

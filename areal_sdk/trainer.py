@@ -1,0 +1,268 @@
+"""The asynchronous training loop: rollouts keep running while the trainer trains.
+
+One episode's way from the agent to the gradient::
+
+    producer ── staleness admission ──► RolloutController ──► gateway ──► store (durable)
+                                              │ finished group
+                                              ▼
+    trainer ◄── GroupBuffer (whole groups, freshness-checked, optional dynamic filter)
+       │ samples ─► advantages ─► packed micro-batches ─► proximal logprobs ─► train_step
+       ▼
+    push weights (pause engine, sync, resume) ─► mark consumed ─► version + 1 ─► admit more
+
+Everything the loop needs arrives as an argument, so the loop itself runs the same with the
+embedded engine in process or SGLang servers elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_sdk.algorithms.advantages import sample_advantages
+from areal_sdk.algorithms.losses import make_loss_fn
+from areal_sdk.config import Config
+from areal_sdk.packing import pack_samples
+from areal_sdk.rollout import RolloutController
+from areal_sdk.samples import build_batch_samples
+from areal_sdk.staleness import StalenessController
+from areal_sdk.store import TrajectoryStore
+from areal_sdk.train_backend import TrainBackend
+from areal_sdk.trajectory import Episode, EpisodeStatus
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class TrainingError(RuntimeError):
+    """A step cannot complete (a weight push timed out, the engine died, ...)."""
+
+
+@dataclass
+class Group:
+    """The episodes of one task sampled ``group_size`` times (failed ones included)."""
+
+    group_id: str
+    episodes: list[Episode]
+
+    @property
+    def ok(self) -> list[Episode]:
+        return [e for e in self.episodes if e.status == EpisodeStatus.OK]
+
+    @property
+    def start_version(self) -> int:
+        return min(int(e.metadata.get("start_version", 0)) for e in self.episodes)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward or 0.0 for e in self.ok]
+
+
+class GroupBuffer:
+    """Finished groups waiting to train, oldest first."""
+
+    def __init__(self) -> None:
+        self._groups: asyncio.Queue[Group] = asyncio.Queue()
+
+    def put(self, group: Group) -> None:
+        self._groups.put_nowait(group)
+
+    async def get(self) -> Group:
+        return await self._groups.get()
+
+    def qsize(self) -> int:
+        return self._groups.qsize()
+
+
+@dataclass
+class StepReport:
+    step: int
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def cycle_tasks(tasks: Sequence[dict[str, Any]], *, start: int = 0) -> Iterator[dict[str, Any]]:
+    """Tasks forever, in order, starting at ``start`` (so a resumed run moves on)."""
+    return itertools.islice(itertools.cycle(tasks), start, None)
+
+
+class AsyncTrainer:
+    """Runs the producer (rollouts) and the trainer concurrently for ``run.steps`` steps."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        backend: TrainBackend,
+        controller: RolloutController,
+        push_weights: Callable[[int], Awaitable[None]],
+        store: TrajectoryStore,
+        run_dir: Path,
+        log: Callable[[int, dict[str, float]], None],
+        checkpoint: Callable[[int], None] | None = None,
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.controller = controller
+        self.push_weights = push_weights
+        self.store = store
+        self.run_dir = run_dir
+        self.log = log
+        self.checkpoint = checkpoint
+        self.on_step = on_step
+        self.group_size = cfg.rollout.group_size
+        self.groups_per_step = cfg.rollout.batch_size // cfg.rollout.group_size
+        self.staleness = StalenessController(
+            batch_size=cfg.rollout.batch_size,
+            max_staleness=cfg.rollout.max_staleness,
+            version=backend.version,
+            admitted=backend.step * cfg.rollout.batch_size,
+        )
+        self.buffer = GroupBuffer()
+        self.max_seen_staleness = 0
+        self.groups_started = 0
+        self._rollout_tokens = 0
+        self._rollout_started = time.perf_counter()
+
+    # -- producer ------------------------------------------------------------------------------
+
+    async def _produce(self, tasks: Iterator[dict[str, Any]]) -> None:
+        """Start a group whenever admission control has room for all of its episodes."""
+        in_flight: set[asyncio.Task[None]] = set()
+        try:
+            for task in tasks:
+                for _ in range(self.group_size):
+                    await self.staleness.acquire()
+                start_version = self.staleness.version
+                job = asyncio.create_task(self._run_group(task, start_version))
+                in_flight.add(job)
+                job.add_done_callback(in_flight.discard)
+                self.groups_started += 1
+        finally:
+            for job in in_flight:
+                job.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _run_group(self, task: dict[str, Any], start_version: int) -> None:
+        episodes = await self.controller.run_group(task, metadata={"start_version": start_version})
+        self._rollout_tokens += sum(e.num_tokens for e in episodes)
+        self.buffer.put(Group(episodes[0].group_id or "", episodes))
+
+    # -- trainer -------------------------------------------------------------------------------
+
+    async def _next_groups(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """Whole groups for one step: stale or (with dynamic filtering) flat groups are
+        dropped, their admission slots given back so fresh ones start."""
+        chosen: list[Group] = []
+        dropped_stale = dropped_flat = dropped_failed = 0
+        while len(chosen) < self.groups_per_step:
+            group = await self.buffer.get()
+            if not self.staleness.is_fresh(group.start_version, step):
+                dropped_stale += 1
+            elif not group.ok:
+                dropped_failed += 1
+            elif self.cfg.algorithm.dynamic_filter and len(set(group.rewards)) <= 1:
+                dropped_flat += 1
+            else:
+                chosen.append(group)
+                continue
+            await self.staleness.give_back(len(group.episodes))
+        return chosen, {
+            "rollout/dropped_stale_groups": float(dropped_stale),
+            "rollout/dropped_flat_groups": float(dropped_flat),
+            "rollout/dropped_failed_groups": float(dropped_failed),
+        }
+
+    def _train_on(self, groups: list[Group], step: int) -> dict[str, float]:
+        """The blocking part of a step (runs in a worker thread)."""
+        episodes = [e for g in groups for e in g.ok]
+        samples, merge_stats = build_batch_samples(episodes)
+        advantages = sample_advantages(samples, self.cfg.algorithm.advantage)
+        (micro_batches,) = pack_samples(samples, advantages, self.cfg.train.micro_batch_tokens)
+        if self.cfg.algorithm.decoupled:
+            for mb, prox in zip(
+                micro_batches, self.backend.forward_logprobs(micro_batches), strict=True
+            ):
+                mb.proximal_logprobs = prox
+        loss_fn = make_loss_fn(self.cfg.algorithm, current_version=self.backend.version)
+        metrics = self.backend.train_step(micro_batches, loss_fn)
+        metrics.update(merge_stats.as_metrics())
+        metrics["train/micro_batches"] = float(len(micro_batches))
+        metrics["train/samples"] = float(len(samples))
+        return metrics
+
+    async def _step(self, step: int) -> StepReport:
+        t0 = time.perf_counter()
+        groups, drop_metrics = await self._next_groups(step)
+        wait_s = time.perf_counter() - t0
+        staleness = [step - g.start_version for g in groups]
+        self.max_seen_staleness = max(self.max_seen_staleness, *staleness)
+        metrics = await asyncio.to_thread(self._train_on, groups, step)
+        new_version = self.backend.version
+        t_push = time.perf_counter()
+        await self.push_weights(new_version)
+        push_s = time.perf_counter() - t_push
+        ids = [e.id for g in groups for e in g.episodes]
+        await asyncio.to_thread(self.store.mark_consumed, ids, step)
+        await self.staleness.set_version(new_version)
+        rewards = [r for g in groups for r in g.rewards]
+        elapsed = time.perf_counter() - self._rollout_started
+        metrics.update(drop_metrics)
+        metrics.update(
+            {
+                "rollout/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+                "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                "rollout/episodes": float(sum(len(g.episodes) for g in groups)),
+                "rollout/failed": float(sum(len(g.episodes) - len(g.ok) for g in groups)),
+                "rollout/staleness_max": float(max(staleness)),
+                "rollout/staleness_mean": statistics.fmean(staleness),
+                "rollout/tokens_per_s": self._rollout_tokens / elapsed if elapsed > 0 else 0.0,
+                "time/wait_s": wait_s,
+                "time/step_s": time.perf_counter() - t0,
+                "time/push_s": push_s,
+                "weights/version": float(new_version),
+            }
+        )
+        self.log(step, metrics)
+        report = StepReport(step=step, version=new_version, metrics=metrics)
+        if self.on_step is not None:
+            self.on_step(report)
+        return report
+
+    async def train(self, tasks: Sequence[dict[str, Any]]) -> list[StepReport]:
+        """Train from the backend's current step to ``run.steps``."""
+        first = self.backend.step
+        producer = asyncio.create_task(
+            self._produce(cycle_tasks(tasks, start=first * self.groups_per_step))
+        )
+        reports = []
+        try:
+            for step in range(first, self.cfg.run.steps):
+                if producer.done():
+                    producer.result()  # re-raise a producer failure
+                    raise TrainingError("the rollout producer stopped")
+                reports.append(await self._step(step))
+                every = self.cfg.run.checkpoint_every
+                if self.checkpoint is not None and every and (step + 1) % every == 0:
+                    await asyncio.to_thread(self.checkpoint, step + 1)
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+        if self.checkpoint is not None and reports:
+            await asyncio.to_thread(self.checkpoint, self.backend.step)
+        return reports
+
+
+def write_trainer_state(directory: Path, *, step: int, version: int) -> None:
+    (directory / TRAINER_STATE).write_text(json.dumps({"step": step, "version": version}))
+
+
+def read_trainer_state(directory: Path) -> dict[str, int]:
+    return json.loads((directory / TRAINER_STATE).read_text())
