@@ -98,7 +98,9 @@ def plot_reward_curve(run_dir: Path, *, key: str = "rollout/reward_mean") -> Pat
 
     rows = read_metrics(run_dir)
     train = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    held_out = [(r["step"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
+    held_out = [
+        (r["step"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None
+    ]
     if not train and not held_out:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)

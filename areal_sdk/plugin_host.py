@@ -178,9 +178,7 @@ class PluginHost:
         if name in registry:
             return registry[name]
         known = ", ".join(sorted(registry)) or "none"
-        unusable = [
-            f"{r.name} ({r.status.reason})" for r in self.plugins() if not r.status.usable
-        ]
+        unusable = [f"{r.name} ({r.status.reason})" for r in self.plugins() if not r.status.usable]
         hint = f"; unusable plugins: {'; '.join(unusable)}" if unusable else ""
         raise PluginError(f"no {kind.replace('_', ' ')} named {name!r}; known: {known}{hint}")
 
@@ -231,9 +229,7 @@ class PluginHost:
     # -- routing and lifecycle -------------------------------------------------------------
 
     def _usable_caller(self, hook_name: str) -> Any:
-        unusable = [
-            self.pm.get_plugin(n) for n in self._records if not self._is_usable(n)
-        ]
+        unusable = [self.pm.get_plugin(n) for n in self._records if not self._is_usable(n)]
         return self.pm.subset_hook_caller(hook_name, remove_plugins=[p for p in unusable if p])
 
     def install_routing(self, route: GatewayRoute) -> None:
@@ -284,7 +280,7 @@ def status_for_modules(
         return PluginStatus(
             False,
             kind=kind,
-            reason=f"missing {', '.join(missing)}: pip install \"areal-sdk[{extra}]\"",
+            reason=f'missing {", ".join(missing)}: pip install "areal-sdk[{extra}]"',
             extra=extra,
         )
     return PluginStatus(True, kind=kind)

@@ -18,7 +18,9 @@ import asyncio
 class StalenessController:
     """Counts admitted episodes against the capacity that the current version allows."""
 
-    def __init__(self, *, batch_size: int, max_staleness: int, version: int = 0, admitted: int = 0) -> None:
+    def __init__(
+        self, *, batch_size: int, max_staleness: int, version: int = 0, admitted: int = 0
+    ) -> None:
         if batch_size < 1 or max_staleness < 0:
             raise ValueError("batch_size must be >= 1 and max_staleness >= 0")
         self.batch_size = batch_size

@@ -21,4 +21,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import build_tiny_model
 
     train = GSM8K_DIR / "train.jsonl"
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), train if train.is_file() else None)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-model"), train if train.is_file() else None
+    )

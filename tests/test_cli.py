@@ -9,7 +9,9 @@ from areal_sdk.trajectory import Episode, EpisodeStatus
 
 
 def cli(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "areal_sdk", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "areal_sdk", *args], capture_output=True, text=True, timeout=120
+    )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -62,7 +64,12 @@ def test_config_show_bad_config_fails_naming_the_key(tmp_path):
 def test_trajectories_export(tmp_path):
     run = tmp_path / "run"
     with TrajectoryStore(run) as store:
-        store.append_many([Episode(task_id="a", reward=1.0), Episode(task_id="b", status=EpisodeStatus.FAILED, error="x")])
+        store.append_many(
+            [
+                Episode(task_id="a", reward=1.0),
+                Episode(task_id="b", status=EpisodeStatus.FAILED, error="x"),
+            ]
+        )
     lines = cli("trajectories", "export", str(run), "--format", "jsonl").stdout.splitlines()
     assert [json.loads(line)["task_id"] for line in lines] == ["a", "b"]
     out = tmp_path / "ok.jsonl"

@@ -10,7 +10,10 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_defaults_and_yaml_sections(tmp_path):
-    path = write(tmp_path, "model:\n  path: /m\nrollout:\n  group_size: 8\nalgorithm:\n  token_mask:\n    metric: ratio\n    upper: 2.0\n")
+    path = write(
+        tmp_path,
+        "model:\n  path: /m\nrollout:\n  group_size: 8\nalgorithm:\n  token_mask:\n    metric: ratio\n    upper: 2.0\n",
+    )
     cfg = load_config(path)
     assert isinstance(cfg, Config)
     assert cfg.model.path == "/m" and cfg.rollout.group_size == 8
@@ -20,7 +23,16 @@ def test_defaults_and_yaml_sections(tmp_path):
 
 def test_overrides_coerce_types_and_create_sections(tmp_path):
     path = write(tmp_path, "rollout:\n  group_size: 2\n")
-    cfg = load_config(path, ["rollout.group_size=16", "train.lr=3e-6", "algorithm.decoupled=false", "inference.urls=[http://a, http://b]", "model.name=smollm2-135m-instruct"])
+    cfg = load_config(
+        path,
+        [
+            "rollout.group_size=16",
+            "train.lr=3e-6",
+            "algorithm.decoupled=false",
+            "inference.urls=[http://a, http://b]",
+            "model.name=smollm2-135m-instruct",
+        ],
+    )
     assert cfg.rollout.group_size == 16
     assert cfg.train.lr == 3e-6
     assert cfg.algorithm.decoupled is False
@@ -35,12 +47,17 @@ def test_unknown_key_names_the_key_and_what_is_allowed(tmp_path):
     message = str(err.value)
     assert "rollout.group_sise: unknown key" in message
     assert "group_size" in message and "max_staleness" in message
-    with pytest.raises(ConfigError, match="rolout: unknown key; allowed in the top level: .*rollout"):
+    with pytest.raises(
+        ConfigError, match="rolout: unknown key; allowed in the top level: .*rollout"
+    ):
         load_config(None, ["rolout.group_size=1"])
 
 
 def test_bad_values_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"rollout.group_size: Input should be greater than or equal to 1 \(got 0\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.group_size: Input should be greater than or equal to 1 \(got 0\)",
+    ):
         load_config(None, ["rollout.group_size=0"])
     with pytest.raises(ConfigError, match="train.zero_stage"):
         load_config(None, ["train.zero_stage=5"])

@@ -11,7 +11,11 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 def test_every_package_directory_is_listed_in_pyproject():
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    mapping = {"areal_sdk": "areal_sdk", "plugins": "areal_sdk.plugins", "backends": "areal_sdk.backends"}
+    mapping = {
+        "areal_sdk": "areal_sdk",
+        "plugins": "areal_sdk.plugins",
+        "backends": "areal_sdk.backends",
+    }
     found = set()
     for top, name in mapping.items():
         for init in (REPO / top).rglob("__init__.py"):
@@ -31,7 +35,17 @@ def test_layout_license_and_typing():
 
 def test_extras_are_declared():
     extras = PYPROJECT["project"]["optional-dependencies"]
-    for name in ("openai", "anthropic", "langchain", "openai-agents", "camel", "deepspeed", "sglang", "all", "dev"):
+    for name in (
+        "openai",
+        "anthropic",
+        "langchain",
+        "openai-agents",
+        "camel",
+        "deepspeed",
+        "sglang",
+        "all",
+        "dev",
+    ):
         assert extras.get(name), f"extra {name} missing or empty"
 
 
@@ -39,5 +53,7 @@ def test_every_builtin_entry_point_imports_without_its_framework():
     declared = PYPROJECT["project"]["entry-points"]["areal_sdk"]
     installed = {ep.name: ep.value for ep in md.entry_points(group="areal_sdk")}
     for name, target in declared.items():
-        assert installed.get(name) == target, f"entry point {name} not installed (reinstall the package)"
+        assert installed.get(name) == target, (
+            f"entry point {name} not installed (reinstall the package)"
+        )
         importlib.import_module(target)

@@ -8,7 +8,7 @@ from areal_sdk.hookspecs import GatewayRoute
 from areal_sdk.plugin_host import PluginError, PluginHost
 
 PLUGIN = textwrap.dedent(
-    '''
+    """
     from areal_sdk.hookspecs import AdapterInfo, hookimpl
     from areal_sdk.plugin_host import status_for_modules
 
@@ -57,11 +57,11 @@ PLUGIN = textwrap.dedent(
     @hookimpl
     def areal_episode_ended(episode):
         EVENTS.append(("ended", episode.id))
-    '''
+    """
 )
 
 MISSING_FRAMEWORK = textwrap.dedent(
-    '''
+    """
     from areal_sdk.hookspecs import AdapterInfo, hookimpl
     from areal_sdk.plugin_host import status_for_modules
 
@@ -80,17 +80,17 @@ MISSING_FRAMEWORK = textwrap.dedent(
     @hookimpl
     def areal_install_routing(route):
         raise AssertionError("an unusable plugin must not be asked to route")
-    '''
+    """
 )
 
 CLASHING = textwrap.dedent(
-    '''
+    """
     from areal_sdk.hookspecs import hookimpl
 
     @hookimpl
     def areal_reward_functions():
         return {"always_one": lambda completion, task: 0.0}
-    '''
+    """
 )
 
 
@@ -126,7 +126,14 @@ def test_entry_points_are_discovered_with_their_source(third_party):
     recs = records(host)
     assert recs["tp_good"].source == "tp-plugins 1.2"
     assert recs["tp_good"].status.usable
-    assert set(recs["tp_good"].kinds) >= {"reward", "inference_backend", "train_backend", "weight_sync", "tool_parser", "metric_sink"}
+    assert set(recs["tp_good"].kinds) >= {
+        "reward",
+        "inference_backend",
+        "train_backend",
+        "weight_sync",
+        "tool_parser",
+        "metric_sink",
+    }
 
 
 def test_broken_and_missing_plugins_are_reported_not_fatal(third_party):
@@ -169,7 +176,9 @@ def test_typed_registries_resolve_by_name(third_party):
     assert host.tool_call_parser("xml_calls")("hi") == ([], "hi")
     assert host.metric_sink("stdout")(None) == "sink"
     assert "echo" in host.inference_backends() and "third_train" in host.train_backends()
-    assert "carrier_pigeon" in host.weight_sync_methods() and "xml_calls" in host.tool_call_parsers()
+    assert (
+        "carrier_pigeon" in host.weight_sync_methods() and "xml_calls" in host.tool_call_parsers()
+    )
     assert "stdout" in host.metric_sinks()
     with pytest.raises(PluginError, match="no inference backend named 'nope'; known: .*echo"):
         host.inference_backend("nope")
@@ -180,8 +189,8 @@ def test_typed_registries_resolve_by_name(third_party):
 def test_routing_and_lifecycle_hooks_reach_usable_plugins_only(third_party):
     import tp_good
 
-    from areal_sdk.trajectory import Episode, Turn
     from areal_sdk.tracing import EpisodeContext
+    from areal_sdk.trajectory import Episode, Turn
 
     host = PluginHost()
     tp_good.EVENTS.clear()
@@ -192,13 +201,13 @@ def test_routing_and_lifecycle_hooks_reach_usable_plugins_only(third_party):
     host.turn_recorded(ep.id, turn)
     host.episode_ended(ep)
     host.remove_routing()
-    assert tp_good.EVENTS == [
+    assert [
         ("install", "http://127.0.0.1:1234/v1"),
         ("started", ep.id),
         ("turn", ep.id, turn.id),
         ("ended", ep.id),
         ("remove",),
-    ]
+    ] == tp_good.EVENTS
 
 
 def test_register_in_code_and_unregister():
@@ -225,5 +234,10 @@ def test_importing_the_package_loads_no_plugin():
     import subprocess
     import sys
 
-    code = "import sys, areal_sdk; print(any(m.startswith('areal_sdk.plugins.') for m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    code = (
+        "import sys, areal_sdk; print(any(m.startswith('areal_sdk.plugins.') for m in sys.modules))"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+        == "False"
+    )

@@ -22,7 +22,9 @@ def test_one_sample_per_turn_without_merge():
 
 def test_prefix_extending_turns_merge_token_exactly():
     # turn 2's prompt = turn 1's prompt + completion + a tool result [7, 8]
-    ep = Episode(task_id="t", reward=0.5, turns=[turn([1, 2], [3, 4], 0), turn([1, 2, 3, 4, 7, 8], [5], 1)])
+    ep = Episode(
+        task_id="t", reward=0.5, turns=[turn([1, 2], [3, 4], 0), turn([1, 2, 3, 4, 7, 8], [5], 1)]
+    )
     stats = MergeStats()
     (sample,) = build_samples(ep, stats=stats)
     assert sample.input_ids == [1, 2, 3, 4, 7, 8, 5]
@@ -36,11 +38,16 @@ def test_prefix_extending_turns_merge_token_exactly():
 
 def test_a_retokenized_history_is_split_and_counted():
     # turn 2 re-tokenized the assistant text differently: 3,4 became 34
-    ep = Episode(task_id="t", turns=[turn([1, 2], [3, 4]), turn([1, 2, 34, 7], [5]), turn([1], [6])])
+    ep = Episode(
+        task_id="t", turns=[turn([1, 2], [3, 4]), turn([1, 2, 34, 7], [5]), turn([1], [6])]
+    )
     samples, stats = build_batch_samples([ep])
     assert len(samples) == 3
     assert stats.splits == 2
-    assert stats.split_reasons == {"prompt_diverges_from_history": 1, "prompt_shorter_than_history": 1}
+    assert stats.split_reasons == {
+        "prompt_diverges_from_history": 1,
+        "prompt_shorter_than_history": 1,
+    }
     assert stats.as_metrics()["samples/merge_failures"] == 2.0
 
 

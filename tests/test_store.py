@@ -16,14 +16,24 @@ from areal_sdk.trajectory import Episode, EpisodeStatus, Turn
 
 def ep(task="t", group=None, status=EpisodeStatus.OK, versions=(0,), reward=1.0):
     turns = [
-        Turn(api="openai.chat", prompt_ids=[1], completion_ids=[2] * len(versions), logprobs=[-0.1] * len(versions), versions=list(versions))
+        Turn(
+            api="openai.chat",
+            prompt_ids=[1],
+            completion_ids=[2] * len(versions),
+            logprobs=[-0.1] * len(versions),
+            versions=list(versions),
+        )
     ]
     return Episode(task_id=task, group_id=group, status=status, reward=reward, turns=turns)
 
 
 def test_append_and_query_by_run_group_status_version(tmp_path):
     store = TrajectoryStore(tmp_path / "run", run_id="r1")
-    a, b, c = ep(group="g1", versions=(0, 1)), ep(group="g1", status="failed", versions=(2,)), ep(group="g2", versions=(3, 4))
+    a, b, c = (
+        ep(group="g1", versions=(0, 1)),
+        ep(group="g1", status="failed", versions=(2,)),
+        ep(group="g2", versions=(3, 4)),
+    )
     store.append(a)
     store.append_many([b, c])
     store.append(ep(), run_id="r2")
@@ -70,7 +80,12 @@ def test_export_jsonl(tmp_path):
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [r["task_id"] for r in rows] == ["t0", "t1", "t2"]
     assert rows[0]["run_id"] == "r" and rows[0]["turns"][0]["completion_ids"] == [2]
-    assert Episode.model_validate({k: v for k, v in rows[0].items() if k not in ("run_id", "consumed_step")}) == episodes[0]
+    assert (
+        Episode.model_validate(
+            {k: v for k, v in rows[0].items() if k not in ("run_id", "consumed_step")}
+        )
+        == episodes[0]
+    )
 
 
 WRITER = textwrap.dedent(
@@ -92,7 +107,9 @@ WRITER = textwrap.dedent(
 
 def test_sigkill_mid_write_keeps_every_acknowledged_episode(tmp_path):
     db = tmp_path / "killed.db"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True
+    )
     acknowledged = []
     deadline = time.time() + 60
     while len(acknowledged) < 15 and time.time() < deadline:

@@ -103,7 +103,9 @@ def test_bind_carries_the_episode_into_threads():
         with ThreadPoolExecutor(1) as pool:
             results["bound"] = pool.submit(areal.bind(lambda: areal.current_episode().id)).result()
             results["unbound"] = pool.submit(areal.current_episode).result()
-        t = threading.Thread(target=areal.bind(lambda: results.setdefault("thread", areal.current_episode().id)))
+        t = threading.Thread(
+            target=areal.bind(lambda: results.setdefault("thread", areal.current_episode().id))
+        )
         t.start()
         t.join()
         results["own"] = ep_id

@@ -5,7 +5,13 @@ from areal_sdk.trajectory import Episode, EpisodeStatus, Turn
 
 
 def make_turn(**kw):
-    base = dict(api="openai.chat", prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.5, -1.0], versions=[0, 1])
+    base = dict(
+        api="openai.chat",
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5],
+        logprobs=[-0.5, -1.0],
+        versions=[0, 1],
+    )
     base.update(kw)
     return Turn(**base)
 
@@ -16,7 +22,11 @@ def test_episode_json_round_trip_keeps_every_field():
         group_id="g1",
         reward=0.5,
         metadata={"agent": "solve"},
-        turns=[make_turn(request={"messages": [{"role": "user", "content": "hi"}]}, finish_reason="stop")],
+        turns=[
+            make_turn(
+                request={"messages": [{"role": "user", "content": "hi"}]}, finish_reason="stop"
+            )
+        ],
     )
     again = Episode.from_json(ep.to_json())
     assert again == ep

@@ -15,7 +15,7 @@ CHATML_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n\\nYou may call one or more functions. Signatures:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nReturn each call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\\n' }}"
+    '{{- \'\\n</tools>\\nReturn each call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}'
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -26,7 +26,7 @@ CHATML_TEMPLATE = (
     "{%- if message.content %}{{- message.content }}{%- endif %}"
     "{%- for call in message.tool_calls | default([], true) %}"
     "{%- set fn = call.function if call.function is defined else call %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' }}'
     "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
@@ -40,7 +40,15 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+]
 
 
 def _corpus(gsm8k: Path | None, n: int = 400) -> list[str]:
@@ -117,5 +125,7 @@ def build_tiny_model(
     )
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out_dir)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out_dir)
     return out_dir

@@ -27,5 +27,8 @@ def show_config(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         return fail(str(exc))
-    print(cfg.model_dump_json(indent=2) if args.json else cfg.to_yaml(), end="" if not args.json else "\n")
+    print(
+        cfg.model_dump_json(indent=2) if args.json else cfg.to_yaml(),
+        end="" if not args.json else "\n",
+    )
     return 0
