@@ -4,7 +4,9 @@ Routes: ``/generate`` (text or input_ids, batched lists, ``n``, return_logprob, 
 rid), ``/update_weights_from_disk``, ``/update_weight_version``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/get_model_info``,
 ``/get_weight_version``, ``/get_server_info``, ``/get_load``, ``/health``,
-``/health_generate``. Bad input answers 400 with ``{"error": {"message": ...}}``; the
+``/health_generate``, and the weight-update group: ``/init_weights_update_group``,
+``/update_weights_from_distributed`` (one broadcast per tensor, gloo on CPU),
+``/destroy_weights_update_group``. Bad input answers 400 with ``{"error": {"message": ...}}``; the
 engine keeps serving.
 
 >>> app = create_app(engine)            # a FastAPI app
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 from areal_sdk.backends.embedded.engine import EmbeddedEngine, EngineInputError
 from areal_sdk.backends.embedded.protocol import (
@@ -38,6 +41,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from areal_sdk.inference import GenerateOutput, PauseMode
+
+# How long a weight-group collective may wait for the trainer.
+WEIGHT_GROUP_TIMEOUT_S = 300.0
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
@@ -68,6 +74,33 @@ class AbortBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     rid: str = ""
     abort_all: bool = False
+
+
+class InitGroupBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class GroupNameBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    group_name: str = "weight_update_group"
 
 
 class VersionBody(BaseModel):
@@ -291,6 +324,93 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
                 "num_paused_requests": 0,
             }
         )
+
+    # -- SGLang's weight-update group: the trainer is rank 0 and broadcasts each tensor -----
+    groups: dict[str, Any] = {}
+
+    def _result(success: bool, message: str) -> JSONResponse:
+        return JSONResponse(
+            {"success": success, "message": message}, status_code=200 if success else 400
+        )
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        from areal_sdk.backends.sglang.process_group import init_weight_group
+
+        body = await _json_body(request, InitGroupBody)
+        if body.group_name in groups:
+            return _result(False, f"weight group {body.group_name!r} already exists")
+        # The engine runs on CPU or one GPU: NCCL needs CUDA, gloo serves a CPU engine.
+        backend = body.backend if str(engine.runner.device).startswith("cuda") else "gloo"
+        try:
+            groups[body.group_name] = await asyncio.to_thread(
+                init_weight_group,
+                backend,
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+                body.group_name,
+                WEIGHT_GROUP_TIMEOUT_S,
+            )
+        except Exception as exc:
+            return _result(False, f"joining the weight group failed: {exc}")
+        return _result(True, f"joined {body.group_name!r} as rank {body.rank_offset}")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        from areal_sdk.backends.sglang.process_group import broadcast_from_trainer
+
+        body = await _json_body(request, DistributedBody)
+        group = groups.get(body.group_name)
+        if group is None:
+            return _result(False, f"no weight group {body.group_name!r}; call init first")
+        if body.load_format not in (None, "direct"):
+            return _result(False, f"load_format {body.load_format!r} is not supported here")
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return _result(False, "names, dtypes and shapes differ in length")
+        try:
+            dtypes = [getattr(torch, d) for d in body.dtypes]
+        except AttributeError as exc:
+            return _result(False, f"unknown dtype: {exc}")
+        # Without weight_version the bucket keeps the served version (SGLang's behaviour).
+        version = (
+            engine.version
+            if body.weight_version is None
+            else _parse_version(body.weight_version, engine.version)
+        )
+        device = engine.runner.device if str(engine.runner.device).startswith("cuda") else "cpu"
+
+        def receive() -> dict[str, torch.Tensor]:
+            out = {}
+            for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                broadcast_from_trainer(group, tensor)  # in the order the trainer sends
+                out[name] = tensor
+            return out
+
+        try:
+            tensors = await asyncio.to_thread(receive)
+        except Exception as exc:
+            return _result(False, f"receiving the bucket failed: {exc}")
+        if body.abort_all_requests:
+            await engine.abort_all()
+        try:
+            await engine.update_weights(tensors, version, flush_cache=body.flush_cache)
+        except WeightUpdateError as exc:
+            return _result(False, str(exc))
+        return _result(True, f"loaded {len(tensors)} tensors")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        from areal_sdk.backends.sglang.process_group import destroy_weight_group
+
+        body = await _json_body(request, GroupNameBody)
+        group = groups.pop(body.group_name, None)
+        if group is None:
+            return _result(False, f"no weight group {body.group_name!r}")
+        destroy_weight_group(group)
+        return _result(True, f"destroyed {body.group_name!r}")
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:

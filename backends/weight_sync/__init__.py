@@ -41,6 +41,12 @@ def make_weight_sync(
     ``engine`` is required by ``in_process`` and ``disk`` (the object whose
     ``update_weights`` loads the new version); ``overrides`` replace constructor arguments.
     """
+    # An engine behind HTTP (SGLang) may bring its own trainer side for a method.
+    engine_sync = getattr(engine, "weight_sync_for", None)
+    if engine_sync is not None:
+        sync = engine_sync(method, config, trainer_rank=trainer_rank, **overrides)
+        if sync is not None:
+            return sync
     w = config.weights
     common: dict[str, Any] = {
         "timeout_s": w.timeout_s,

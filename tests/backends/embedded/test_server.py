@@ -204,3 +204,13 @@ async def test_malformed_json_and_bad_control_bodies_get_400(client: httpx.Async
     # Still serving.
     r = await client.post("/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY})
     assert r.status_code == 200
+
+
+async def test_weight_group_routes_refuse_what_they_cannot_serve(client: httpx.AsyncClient) -> None:
+    bucket = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[2, 2]]}
+    r = await client.post("/update_weights_from_distributed", json=bucket)
+    assert r.status_code == 400 and "no weight group" in r.json()["message"]
+    r = await client.post("/destroy_weights_update_group", json={"group_name": "nope"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    r = await client.post("/init_weights_update_group", json={"master_address": "127.0.0.1"})
+    assert r.status_code == 400  # master_port, rank_offset and world_size are required

@@ -1,0 +1,380 @@
+"""``SGLangBackend``: the inference backend over one or many SGLang servers' native HTTP API.
+
+Generation goes to one server (least loaded, sticky per episode: see ``pool.py``) or
+through an ``sglang-router``; pauses, resumes and weight updates go to every server
+directly. A server that stops answering is taken out of rotation and its request is sent
+to another one; with none left the call fails with ``NoServerLeft`` naming each server and
+its last error. ``health()`` puts a server that answers again back in rotation, once it
+serves the current weight version.
+
+>>> backend = SGLangBackend(["http://gpu0:30000", "http://gpu1:30000"], tokenizer=tok)
+>>> out = await backend.generate(ids, SamplingParams(max_new_tokens=64), request_id="ep7:0")
+>>> await backend.pause(PauseMode.ABORT); await backend.update_weights("/ckpt/v3", 3)
+>>> await backend.resume()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+from areal_sdk.backends.sglang.client import ServerClient, ServerUnavailable
+from areal_sdk.backends.sglang.pool import NoServerLeft, Server, ServerPool, affinity_key
+from areal_sdk.backends.sglang.protocol import generate_body, parse_output, parse_version
+
+from areal_sdk.inference import (
+    GenerateOutput,
+    InferenceBackend,
+    PauseMode,
+    SamplingParams,
+    WeightSource,
+)
+
+if TYPE_CHECKING:
+    from areal_sdk.backends.sglang.launcher import SGLangLauncher
+    from areal_sdk.backends.weight_sync.base import WeightSync
+
+    from areal_sdk.config import Config
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Header sglang-router (SGLang Model Gateway) routes sticky sessions by.
+ROUTING_HEADER = "X-SMG-Routing-Key"
+PAUSE_POLL_S = 0.02
+
+
+class SGLangBackend(InferenceBackend):
+    """SGLang servers, attached by URL (``inference.urls``) or launched (``launcher``)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        tokenizer: Any = None,
+        model_name: str = "policy",
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        router_url: str | None = None,
+        launcher: SGLangLauncher | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.pool = ServerPool(
+            [Server(ServerClient(u, timeout_s=timeout_s, retries=retries)) for u in urls]
+        )
+        self.router = (
+            ServerClient(router_url, timeout_s=timeout_s, retries=retries) if router_url else None
+        )
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.launcher = launcher
+        self._version = 0
+        self._where: dict[str, Server] = {}  # rid -> the server running it
+        # A flag, not an asyncio.Event: the gateway and the trainer call from different loops.
+        self._paused = False
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> SGLangBackend:
+        """Attach to ``inference.urls``, or launch ``inference.sglang_servers`` servers."""
+        from areal_sdk.backends.sglang.launcher import SGLangLauncher
+
+        inference = config.inference
+        launcher = None
+        urls = list(inference.urls)
+        if not urls:
+            launcher = SGLangLauncher.from_config(config).start()
+            urls = launcher.urls
+        try:
+            backend = cls(
+                urls,
+                tokenizer=_load_tokenizer(config),
+                model_name=config.model.served_name,
+                timeout_s=inference.request_timeout_s,
+                retries=inference.retries,
+                router_url=inference.router_url,
+                launcher=launcher,
+            )
+            backend.connect()
+        except BaseException:
+            if launcher is not None:
+                launcher.stop()
+            raise
+        return backend
+
+    # -- setup (blocking: runs before any event loop serves requests) -----------------------
+
+    def connect(self) -> None:
+        """Read each server's model info (weight version, TP size); register the workers
+        with the router. Raises ``NoServerLeft`` if no server answers."""
+        versions = set()
+        with httpx.Client(timeout=30) as http:
+            for server in self.pool.servers:
+                try:
+                    info = http.get(server.url + "/get_model_info").raise_for_status().json()
+                    extra = http.get(server.url + "/get_server_info")
+                    server.info = extra.json() if extra.status_code == 200 else {}
+                except (httpx.HTTPError, ValueError) as exc:
+                    self.pool.mark_dead(server, f"{type(exc).__name__}: {exc}")
+                    continue
+                server.tp_size = int(server.info.get("tp_size") or 1)
+                versions.add(parse_version(info.get("weight_version")))
+            if not self.pool.live:
+                raise NoServerLeft(self.pool.describe_dead())
+            if len(versions) > 1:
+                log.warning("SGLang servers report different weight versions: %s", versions)
+            self._version = max(versions)
+            if self.router is not None:
+                for server in self.pool.live:
+                    _register_worker(http, self.router.url, server.url)
+
+    # -- InferenceBackend -------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None
+    ) -> GenerateOutput:
+        if sampling.n != 1:
+            raise ValueError("generate() samples one completion; use generate_n for n > 1")
+        while self._paused:  # a paused backend holds new requests until resume()
+            await asyncio.sleep(PAUSE_POLL_S)
+        rid = request_id or uuid.uuid4().hex
+        key = affinity_key(request_id)
+        body = generate_body(input_ids, sampling, rid)
+        tried: set[str] = set()
+        while True:
+            server = self.pool.pick(key, exclude=tried)
+            server.in_flight += 1
+            self._where[rid] = server
+            try:
+                if self.router is not None:
+                    headers = {ROUTING_HEADER: key} if key else None
+                    response = await self.router.post(
+                        "/generate", body, idempotent=False, headers=headers
+                    )
+                else:
+                    response = await server.client.post("/generate", body, idempotent=False)
+            except ServerUnavailable as exc:
+                if self.router is not None:
+                    raise
+                log.warning("taking %s out of rotation: %s; retrying elsewhere", server.url, exc)
+                self.pool.mark_dead(server, str(exc))
+                tried.add(server.url)
+                continue
+            finally:
+                server.in_flight -= 1
+                self._where.pop(rid, None)
+            return parse_output(response.json(), prompt_len=len(input_ids), server=server.url)
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        self._paused = True
+        await self._fan_out(lambda s: s.client.post_json("/pause_generation", {"mode": mode}))
+
+    async def resume(self) -> None:
+        try:
+            await self._fan_out(lambda s: s.client.post_json("/continue_generation", {}))
+        finally:
+            self._paused = False
+
+    async def abort(self, request_id: str) -> None:
+        server = self._where.get(request_id)
+        if server is not None:
+            await server.client.post("/abort_request", {"rid": request_id})
+
+    async def update_weights(self, source: WeightSource, version: int) -> None:
+        """Load a safetensors directory (``/update_weights_from_disk``) on every server.
+        The path must be readable by the servers. Named tensors travel by
+        ``weights.method=broadcast`` instead (``SGLangBroadcastSync``)."""
+        if isinstance(source, Mapping):
+            raise TypeError(
+                "the sglang backend loads weights from a directory (weights.method=disk) or "
+                "over a process group (weights.method=broadcast), not from in-process tensors"
+            )
+        body = {
+            "model_path": str(Path(source).resolve()),
+            "weight_version": str(int(version)),
+            "abort_all_requests": False,
+            "flush_cache": True,
+        }
+        await self._fan_out(lambda s: s.client.post_json("/update_weights_from_disk", body))
+        self._version = int(version)
+
+    async def set_version(self, version: int) -> None:
+        """Relabel the served weights as ``version`` on every server."""
+        body = {"new_version": str(int(version)), "abort_all_requests": False}
+        await self._fan_out(lambda s: s.client.post_json("/update_weight_version", body))
+        self._version = int(version)
+
+    async def health(self) -> dict[str, Any]:
+        """Probe every server; a server back up that serves ``version`` rejoins rotation."""
+
+        async def probe(server: Server) -> str:
+            if not await server.client.healthy():
+                if server.alive:
+                    self.pool.mark_dead(server, "GET /health failed")
+                return server.error or "unhealthy"
+            if not server.alive:
+                info = (await server.client.get("/get_model_info", timeout_s=10)).json()
+                served = parse_version(info.get("weight_version"))
+                if served != self._version:
+                    server.error = f"serves weight version {served}, not {self._version}"
+                    return server.error
+                self.pool.mark_alive(server)
+            return "ok"
+
+        states = await asyncio.gather(*(probe(s) for s in self.pool.servers))
+        report = {s.url: state for s, state in zip(self.pool.servers, states, strict=True)}
+        if not self.pool.live:
+            raise NoServerLeft(self.pool.describe_dead())
+        return {
+            "status": "ok",
+            "version": self._version,
+            "servers": report,
+            "paused": self._paused,
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for server in self.pool.servers:
+            await server.client.aclose()
+        if self.router is not None:
+            await self.router.aclose()
+        if self.launcher is not None:
+            await asyncio.to_thread(self.launcher.stop)
+
+    # -- the weight group (SGLang's NCCL refit; see weight_sync.py) -------------------------
+
+    def rank_offsets(self) -> tuple[list[tuple[Server, int]], int]:
+        """Each live server's first rank in the weight group (the trainer is rank 0), and
+        the group's world size: ``1 + sum(tp_size)``."""
+        offsets, rank = [], 1
+        for server in self.pool.live:
+            offsets.append((server, rank))
+            rank += server.tp_size
+        return offsets, rank
+
+    async def init_weight_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str
+    ) -> None:
+        """``/init_weights_update_group`` on every live server; each joins at its offset.
+        The trainer joins as rank 0 at the same time (these calls return once it has)."""
+        offsets, world_size = self.rank_offsets()
+
+        async def init(server: Server, offset: int) -> Any:
+            body = {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            return await server.client.post_json(
+                "/init_weights_update_group", body, idempotent=False
+            )
+
+        await asyncio.gather(*(init(s, o) for s, o in offsets))
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """One bucket's ``/update_weights_from_distributed`` on every live server; the
+        trainer broadcasts the tensors, in this order, while these calls are in flight."""
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": True,
+            "abort_all_requests": False,
+        }
+        await asyncio.gather(
+            *(
+                s.client.post_json("/update_weights_from_distributed", body, idempotent=False)
+                for s in self.pool.live
+            )
+        )
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        await self._fan_out(
+            lambda s: s.client.post_json(
+                "/destroy_weights_update_group", {"group_name": group_name}
+            ),
+            strict=False,
+        )
+
+    def weight_sync_for(
+        self, method: str, config: Config, *, trainer_rank: int = 0, **overrides: Any
+    ) -> WeightSync | None:
+        """The trainer side of ``method`` for these servers, where it differs from the
+        generic one: ``broadcast`` drives SGLang's weight-group routes."""
+        if method != "broadcast":
+            return None
+        from areal_sdk.backends.sglang.weight_sync import SGLangBroadcastSync
+
+        return SGLangBroadcastSync.from_config(self, config, trainer_rank=trainer_rank, **overrides)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def _fan_out(
+        self, call: Callable[[Server], Awaitable[T]], *, strict: bool = True
+    ) -> list[T]:
+        """``call`` on every live server at once. A server that cannot be reached leaves
+        rotation (it would serve stale weights); any other failure is raised."""
+        servers = self.pool.live
+        if not servers:
+            raise NoServerLeft(self.pool.describe_dead())
+        results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
+        out: list[T] = []
+        for server, result in zip(servers, results, strict=True):
+            if isinstance(result, ServerUnavailable):
+                log.warning("taking %s out of rotation: %s", server.url, result)
+                self.pool.mark_dead(server, str(result))
+            elif isinstance(result, BaseException):
+                if strict:
+                    raise result
+            else:
+                out.append(result)
+        if not self.pool.live:
+            raise NoServerLeft(self.pool.describe_dead())
+        return out
+
+
+def _register_worker(http: httpx.Client, router: str, worker: str) -> None:
+    """Add ``worker`` to an sglang-router: ``POST /workers``, or the legacy
+    ``POST /add_worker?url=`` of older releases. Already registered is fine."""
+    response = http.post(router.rstrip("/") + "/workers", json={"url": worker})
+    if response.status_code in (404, 405):
+        response = http.post(router.rstrip("/") + "/add_worker", params={"url": worker})
+    if response.status_code >= 400 and "already" not in response.text.lower():
+        raise RuntimeError(
+            f"sglang-router {router} refused worker {worker}: "
+            f"{response.status_code} {response.text[:300]}"
+        )
+
+
+def _load_tokenizer(config: Config) -> Any:
+    """The policy's tokenizer from a local directory (``model.tokenizer`` or
+    ``model.path``); the gateway templates and decodes with it."""
+    source = config.model.tokenizer or config.model.path
+    if source is None and config.model.name is not None:
+        from areal_sdk.models import resolve
+
+        source = str(resolve(config.model.name))
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    path = Path(source)
+    if path.is_file():  # a .gguf file
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,193 @@
+"""``broadcast`` into SGLang servers: the trainer's side of SGLang's NCCL weight refit.
+
+``make_weight_sync("broadcast", config, engine=<SGLangBackend>)`` returns this. The first
+push opens the weight group: every server gets ``/init_weights_update_group`` (its
+``rank_offset`` is 1 + the TP ranks of the servers before it) while the trainer joins as rank
+0 (``process_group.py``). Then, per bucket of ``TrainBackend.state_for_sync``, every server
+gets ``/update_weights_from_distributed`` with the bucket's names, dtypes and shapes while
+the trainer broadcasts those tensors in that order (SGLang's default ``load_format``, one
+broadcast per tensor, as AReaL does). Last, ``/update_weight_version`` makes every server
+report ``version``. gloo on CPU, NCCL when the trainer is on CUDA.
+
+A bucket a server refuses, or a broadcast nobody receives within ``timeout_s``, fails the
+push with ``WeightSyncError`` naming the servers; the group is then torn down and the next
+push builds a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from areal_sdk.backends.sglang.process_group import (
+    broadcast_from_trainer,
+    destroy_weight_group,
+    init_weight_group,
+)
+from areal_sdk.backends.weight_sync.base import (
+    NamedTensors,
+    WeightSync,
+    cast_bucket,
+    check_engine_version,
+    sync_dtype,
+)
+from areal_sdk.backends.weight_sync.channel import resolve_backend
+
+if TYPE_CHECKING:
+    from areal_sdk.backends.sglang.backend import SGLangBackend
+
+    from areal_sdk.config import Config
+
+GROUP_NAME = "weight_update_group"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SGLangBroadcastSync(WeightSync):
+    """Trainer rank 0 of SGLang's weight-update group."""
+
+    method = "broadcast"
+
+    def __init__(
+        self,
+        engine: SGLangBackend,
+        *,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        backend: str = "auto",
+        device: torch.device | str = "cpu",
+        group_name: str = GROUP_NAME,
+        timeout_s: float = 120.0,
+        dtype: torch.dtype | None = None,
+        trainer_rank: int = 0,
+    ) -> None:
+        super().__init__(timeout_s=timeout_s, dtype=dtype, trainer_rank=trainer_rank)
+        self.engine = engine
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.device = torch.device(device)
+        self.backend = resolve_backend(backend, self.device)
+        self.group_name = group_name
+        self.group: torch.distributed.ProcessGroup | None = None
+
+    @classmethod
+    def from_config(
+        cls, engine: SGLangBackend, config: Config, *, trainer_rank: int = 0, **overrides: Any
+    ) -> SGLangBroadcastSync:
+        w = config.weights
+        args: dict[str, Any] = {
+            "master_addr": w.master_addr,
+            "master_port": w.master_port,
+            "backend": w.group_backend,
+            "device": config.train.device,
+            "timeout_s": w.timeout_s,
+            "dtype": sync_dtype(w.dtype),
+            "trainer_rank": trainer_rank,
+        }
+        args.update(overrides)
+        return cls(engine, **args)
+
+    @property
+    def _peers(self) -> str:
+        return "SGLang servers " + ", ".join(s.url for s in self.engine.pool.live)
+
+    async def connect(self, version: int = 0) -> None:
+        """Open the weight group with every live server (once)."""
+        if self.group is not None:
+            return
+        port = self.master_port or _free_port(self.master_addr)
+        _, world_size = self.engine.rank_offsets()
+        results = await asyncio.gather(
+            asyncio.to_thread(
+                init_weight_group,
+                self.backend,
+                self.master_addr,
+                port,
+                0,
+                world_size,
+                self.group_name,
+                self.timeout_s,
+            ),
+            self.engine.init_weight_group(self.master_addr, port, self.group_name, self.backend),
+            return_exceptions=True,
+        )
+        group, init = results
+        if isinstance(init, BaseException) or isinstance(group, BaseException):
+            if not isinstance(group, BaseException):
+                destroy_weight_group(group)
+            cause = init if isinstance(init, BaseException) else group
+            raise self._fail(
+                version,
+                self._peers,
+                f"opening the weight group at {self.master_addr}:{port} failed: {cause}",
+            ) from cause
+        self.group = group
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        assert self.group is not None
+        for t in tensors:
+            broadcast_from_trainer(self.group, t)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    async def _push(self, state: Iterable[NamedTensors], version: int) -> tuple[int, int]:
+        await self.connect(version)
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        buckets = iter(state)
+        tensors = nbytes = index = 0
+        try:
+            while True:
+                # Gathering a bucket may block (ZeRO-3): keep it off the event loop.
+                bucket = await asyncio.to_thread(next, buckets, None)
+                if bucket is None:
+                    break
+                bucket = cast_bucket(bucket, self.dtype)
+                if not bucket:
+                    continue
+                send = [t.detach().to(device).contiguous() for _, t in bucket]
+                request = self.engine.update_weights_from_distributed(
+                    [n for n, _ in bucket],
+                    [dtype_name(t.dtype) for t in send],
+                    [list(t.shape) for t in send],
+                    self.group_name,
+                )
+                results = await asyncio.wait_for(
+                    asyncio.gather(
+                        request, asyncio.to_thread(self._broadcast, send), return_exceptions=True
+                    ),
+                    self.timeout_s,
+                )
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+                tensors += len(send)
+                nbytes += sum(t.numel() * t.element_size() for t in send)
+                index += 1
+            await self.engine.set_version(version)
+        except Exception as exc:
+            await self._teardown()
+            raise self._fail(version, self._peers, f"bucket {index} failed: {exc}") from exc
+        check_engine_version(self, self.engine, version, self._peers)
+        return tensors, nbytes
+
+    async def _teardown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                await self.engine.destroy_weight_group(self.group_name)
+            finally:
+                destroy_weight_group(group)
+
+    async def close(self) -> None:
+        await self._teardown()

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from areal_sdk.backends.embedded.server import ServerThread, create_app
+
+from tests.backends.embedded.conftest import make_engine
+
+# A stand-in for SGLang's `python -m sglang.launch_server` (which cannot run on these
+# machines): it serves the embedded engine, which speaks SGLang's routes, on the given port.
+FAKE_LAUNCH_SERVER = """
+import argparse
+
+import uvicorn
+from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
+from areal_sdk.backends.embedded.server import create_app
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model-path", required=True)
+parser.add_argument("--host", default="127.0.0.1")
+parser.add_argument("--port", type=int, required=True)
+parser.add_argument("--base-gpu-id", type=int, default=0)
+args, _ = parser.parse_known_args()
+print("fake sglang.launch_server", vars(args), flush=True)
+engine = EmbeddedEngine.from_pretrained(
+    args.model_path,
+    dtype="float32",
+    config=EngineConfig(max_batch_size=8, max_model_len=256, prefill_chunk=64),
+)
+uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+"""
+
+
+@pytest.fixture(scope="session")
+def fake_sglang_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding a fake ``sglang`` package, for PYTHONPATH (a mock of SGLang)."""
+    root = tmp_path_factory.mktemp("fake-sglang")
+    (root / "sglang").mkdir()
+    (root / "sglang" / "__init__.py").write_text("")
+    (root / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path) -> Iterator[list[tuple[str, object]]]:
+    """Two real embedded engines behind real HTTP servers on loopback."""
+    started = []
+    try:
+        for _ in range(2):
+            engine = make_engine(tiny_model_dir)
+            started.append((ServerThread(create_app(engine)).start(), engine))
+        yield [(srv.url, eng) for srv, eng in started]
+    finally:
+        for srv, _ in started:
+            srv.stop()
