@@ -87,6 +87,15 @@ class RolloutConfig(Section):
     retries: int = Field(0, ge=0)
     max_staleness: int = Field(1, ge=0, description="0 is the synchronous baseline")
 
+    @model_validator(mode="after")
+    def _whole_groups(self) -> RolloutConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"rollout.batch_size ({self.batch_size}) must be a multiple of "
+                f"rollout.group_size ({self.group_size}): a step trains whole groups"
+            )
+        return self
+
 
 class InferenceConfig(Section):
     """The inference engine behind the gateway."""
@@ -103,6 +112,17 @@ class InferenceConfig(Section):
     max_new_tokens: int = Field(512, ge=1)
     prefill_chunk: int = Field(512, ge=1, description="embedded engine: prompt tokens per step")
     cuda_graphs: bool | None = Field(None, description="embedded engine: decode CUDA graphs")
+    sglang_python: str | None = Field(
+        None, description="sglang: python of the SGLang environment (default: this one)"
+    )
+    sglang_args: list[str] = Field(
+        default_factory=list, description="sglang: extra sglang.launch_server arguments"
+    )
+    sglang_servers: int = Field(1, ge=1, description="sglang: servers launched without urls")
+    router_url: str | None = Field(None, description="sglang: generate through sglang-router")
+    request_timeout_s: float = Field(600.0, gt=0, description="sglang: per HTTP call")
+    retries: int = Field(3, ge=0, description="sglang: retries of a call, with backoff")
+    launch_timeout_s: float = Field(600.0, gt=0, description="sglang: wait for /health")
 
 
 class TrainConfig(Section):
@@ -208,6 +228,22 @@ class WeightsConfig(Section):
     group_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="broadcast: nccl when the trainer is on CUDA, else gloo"
     )
+    pause_mode: Literal["retract", "in_place", "abort"] = Field(
+        "retract",
+        description="engine pause around a push: retract re-runs in-flight requests under the "
+        "new weights, in_place keeps their KV, abort ends them",
+    )
+
+
+class EvalConfig(Section):
+    """Held-out reward before and after training (tasks from ``data.eval_path``)."""
+
+    before: bool = Field(True, description="evaluate the initial policy")
+    after: bool = Field(True, description="evaluate the trained policy")
+    samples: int = Field(1, ge=1, description="episodes per held-out task")
+    agent_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="merged over agent.kwargs for evaluation episodes"
+    )
 
 
 class RunConfig(Section):
@@ -218,6 +254,7 @@ class RunConfig(Section):
     seed: int = 0
     steps: int = Field(10, ge=0)
     checkpoint_every: int = Field(0, ge=0, description="0 saves only at the end")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept (the newest)")
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"])
 
 
@@ -230,6 +267,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     def to_yaml(self) -> str:

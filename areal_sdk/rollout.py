@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import math
 import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -159,6 +161,15 @@ class RolloutController:
         self.on_episode = on_episode
         self._slots = asyncio.Semaphore(concurrency)
         self._scope = _ControllerScope()
+        # Synchronous agents run on threads of their own: asyncio's default executor has
+        # only cpu_count + 4 workers, which would cap concurrency far below the setting.
+        self._pool: ThreadPoolExecutor | None = None
+        self._concurrency = concurrency
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="areal-agent")
+        return self._pool
 
     async def run(self, tasks: Sequence[dict[str, Any]], *, progress: Any = None) -> RolloutSummary:
         """Every task ``group_size`` times; returns when all episodes are stored."""
@@ -226,8 +237,11 @@ class RolloutController:
                 if asyncio.iscoroutinefunction(self.agent):
                     call = self.agent(task, **self.agent_kwargs)
                 else:
-                    # to_thread copies the context, so the episode follows the call.
-                    call = asyncio.to_thread(self.agent, task, **self.agent_kwargs)
+                    # The copied context carries the episode into the agent's thread.
+                    run = functools.partial(
+                        contextvars.copy_context().run, self.agent, task, **self.agent_kwargs
+                    )
+                    call = asyncio.get_running_loop().run_in_executor(self._threads(), run)
                 result = await asyncio.wait_for(call, timeout=self.timeout_s)
         except TimeoutError:
             return None, f"TimeoutError: agent did not finish within {self.timeout_s:g} s"

@@ -7,7 +7,7 @@ import inspect
 import json
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +51,18 @@ def load_tasks(
     return tasks[:limit] if limit else tasks
 
 
-def load_agent(entry: str, *, search_path: Path | None = None) -> Callable[..., Any]:
-    """Import ``package.module:function``. An undecorated function is traced for the user."""
+def load_agent(
+    entry: str, *, search_path: Path | Sequence[Path] | None = None
+) -> Callable[..., Any]:
+    """Import ``package.module:function``, looking in ``search_path`` (a directory or several,
+    first wins) before ``sys.path``. An undecorated function is traced for the user."""
     module_name, _, attr = entry.partition(":")
     if not module_name or not attr:
         raise TaskError(f"agent.entry must look like 'package.module:function', got {entry!r}")
-    if search_path is not None and str(search_path) not in sys.path:
-        sys.path.insert(0, str(search_path))
+    paths = [search_path] if isinstance(search_path, Path) else list(search_path or [])
+    for path in reversed(paths):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -36,8 +35,6 @@ from areal_sdk.staleness import StalenessController
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.train_backend import TrainBackend
 from areal_sdk.trajectory import Episode, EpisodeStatus
-
-TRAINER_STATE = "trainer_state.json"
 
 
 class TrainingError(RuntimeError):
@@ -133,8 +130,13 @@ class AsyncTrainer:
 
     # -- producer ------------------------------------------------------------------------------
 
-    async def _produce(self, tasks: Iterator[dict[str, Any]]) -> None:
-        """Start a group whenever admission control has room for all of its episodes."""
+    async def _produce(self, tasks: Iterator[dict[str, Any]], leftovers: Sequence[Group]) -> None:
+        """Queue ``leftovers`` (finished groups of a resumed run) first, then start a group
+        whenever admission control has room for all of its episodes."""
+        for group in leftovers:
+            for _ in group.episodes:
+                await self.staleness.acquire()
+            self.buffer.put(group)
         in_flight: set[asyncio.Task[None]] = set()
         try:
             for task in tasks:
@@ -236,11 +238,14 @@ class AsyncTrainer:
             self.on_step(report)
         return report
 
-    async def train(self, tasks: Sequence[dict[str, Any]]) -> list[StepReport]:
-        """Train from the backend's current step to ``run.steps``."""
+    async def train(
+        self, tasks: Sequence[dict[str, Any]], *, leftovers: Sequence[Group] = ()
+    ) -> list[StepReport]:
+        """Train from the backend's current step to ``run.steps``; ``leftovers`` (accepted,
+        untrained groups of a resumed run) are trained before new rollouts."""
         first = self.backend.step
         producer = asyncio.create_task(
-            self._produce(cycle_tasks(tasks, start=first * self.groups_per_step))
+            self._produce(cycle_tasks(tasks, start=first * self.groups_per_step), leftovers)
         )
         reports = []
         try:
@@ -250,19 +255,10 @@ class AsyncTrainer:
                     raise TrainingError("the rollout producer stopped")
                 reports.append(await self._step(step))
                 every = self.cfg.run.checkpoint_every
-                if self.checkpoint is not None and every and (step + 1) % every == 0:
+                last = step + 1 == self.cfg.run.steps
+                if self.checkpoint is not None and (last or (every and (step + 1) % every == 0)):
                     await asyncio.to_thread(self.checkpoint, step + 1)
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
-        if self.checkpoint is not None and reports:
-            await asyncio.to_thread(self.checkpoint, self.backend.step)
         return reports
-
-
-def write_trainer_state(directory: Path, *, step: int, version: int) -> None:
-    (directory / TRAINER_STATE).write_text(json.dumps({"step": step, "version": version}))
-
-
-def read_trainer_state(directory: Path) -> dict[str, int]:
-    return json.loads((directory / TRAINER_STATE).read_text())

@@ -27,6 +27,7 @@ def test_overrides_coerce_types_and_create_sections(tmp_path):
         path,
         [
             "rollout.group_size=16",
+            "rollout.batch_size=32",
             "train.lr=3e-6",
             "algorithm.decoupled=false",
             "inference.urls=[http://a, http://b]",
@@ -94,3 +95,8 @@ def test_data_paths_are_relative_to_the_config_file(tmp_path):
 def test_yaml_round_trip():
     cfg = load_config(None, ["rollout.max_staleness=0"])
     assert Config.model_validate(__import__("yaml").safe_load(cfg.to_yaml())) == cfg
+
+
+def test_a_batch_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match="multiple of rollout.group_size"):
+        load_config(None, ["rollout.group_size=3", "rollout.batch_size=8"])

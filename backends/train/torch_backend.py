@@ -40,9 +40,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def model_path_of(config: Config) -> str:
-    if config.model.path is None:
-        raise ValueError("the train backend needs model.path (a local Hugging Face directory)")
-    return config.model.path
+    """The local HF directory to train: ``model.path``, or ``model.name`` resolved through the
+    registry (the same converted directory the embedded engine serves)."""
+    from areal_sdk.models import resolve
+
+    source = config.model.path or config.model.name
+    if source is None:
+        raise ValueError("the train backend needs model.path or model.name")
+    path = resolve(source)
+    if path.suffix == ".gguf":
+        raise ValueError(
+            f"the train backend needs a Hugging Face directory, not a GGUF file ({path}); "
+            "use model.name for a registered model, or convert the file first"
+        )
+    return str(path)
 
 
 class TorchBackend(TrainBackend):

@@ -1,0 +1,100 @@
+"""``areal-sdk train CONFIG [KEY=VALUE ...] [--resume]``: the main job."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from pathlib import Path
+
+from areal_sdk.cli._common import add_config_arguments, console, fail
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train the agent's model with asynchronous RL",
+        description=(
+            "Start the engine, gateway, rollouts and trainer from CONFIG; evaluate on "
+            "data.eval_path before and after; write metrics, checkpoints and the reward curve "
+            "into run.dir."
+        ),
+    )
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue run.dir from its newest checkpoint"
+    )
+    parser.set_defaults(func=train)
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def train(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from areal_sdk.config import ConfigError, load_config
+    from areal_sdk.evaluation import gain
+    from areal_sdk.models import ModelNotFoundError
+    from areal_sdk.tasks import TaskError
+    from areal_sdk.trainer import StepReport, TrainingError
+    from areal_sdk.training_run import RunError, TrainingRun
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return fail(str(exc))
+    progress = Progress(
+        TextColumn("[bold]step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    bar = progress.add_task("train", total=cfg.run.steps, stats="waiting for the first batch")
+
+    def on_step(report: StepReport) -> None:
+        m = report.metrics
+        stats = (
+            f"reward {_fmt(m.get('rollout/reward_mean'))}  "
+            f"staleness {_fmt(m.get('rollout/staleness_max'), '.0f')}  "
+            f"{_fmt(m.get('rollout/tokens_per_s'), '.0f')} tok/s  "
+            f"loss {_fmt(m.get('loss'), '.4f')}  v{report.version}"
+        )
+        progress.update(bar, completed=report.step + 1, stats=stats)
+        if not console.is_terminal:
+            console.print(f"step {report.step + 1}/{cfg.run.steps}  {stats}", highlight=False)
+
+    def on_event(message: str) -> None:
+        progress.console.print(f"[dim]·[/] {message}", highlight=False)
+
+    try:
+        run = TrainingRun(
+            cfg,
+            config_dir=Path(args.config).resolve().parent,
+            resume=args.resume,
+            on_step=on_step,
+            on_event=on_event,
+        )
+    except (RunError, TaskError, ModelNotFoundError) as exc:
+        return fail(str(exc))
+    try:
+        with progress:
+            result = asyncio.run(run.run())
+    except (RunError, TaskError, ModelNotFoundError, TrainingError) as exc:
+        return fail(str(exc), code=1)
+    except KeyboardInterrupt:
+        console.print("interrupted: engine and gateway stopped; continue with --resume")
+        return 130
+    console.print(f"[bold]run[/] {result.run_dir}  steps {result.steps}  version {result.version}")
+    if result.before is not None:
+        console.print(f"held-out reward before: {result.before}", highlight=False)
+    if result.after is not None:
+        console.print(f"held-out reward after:  {result.after}", highlight=False)
+    if result.before is not None and result.after is not None:
+        delta, sem = gain(result.before, result.after)
+        console.print(f"gain: {delta:+.3f} ± {sem:.3f}", highlight=False)
+    return 0

@@ -1,0 +1,276 @@
+"""One ``areal-sdk train`` run: engine, gateway, rollouts and trainer, started and stopped together.
+
+Everything runs on one event loop (the gateway on its own thread): held-out evaluation of the
+initial policy, the asynchronous training loop, evaluation of the trained policy. The run
+directory holds the trajectory store, metrics (JSONL, TensorBoard), the reward curve,
+checkpoints and ``eval.json``.
+
+Resuming (``resume=True``) loads the newest checkpoint, forgets consumption by steps whose
+update was lost with the crash, and trains the accepted but untrained episodes first, so no
+accepted episode is lost and none is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_sdk.checkpoints import Checkpoints
+from areal_sdk.config import Config
+from areal_sdk.evaluation import EvalResult, evaluate
+from areal_sdk.inference import InferenceBackend, PauseMode
+from areal_sdk.launcher import LocalStack
+from areal_sdk.metrics import MetricLogger, plot_reward_curve
+from areal_sdk.plugin_host import PluginHost, get_host
+from areal_sdk.rollout import RolloutController
+from areal_sdk.store import STORE_FILENAME, TrajectoryStore
+from areal_sdk.tasks import load_agent, load_tasks
+from areal_sdk.train_backend import TrainBackend
+from areal_sdk.trainer import AsyncTrainer, Group, StepReport, TrainingError
+
+log = logging.getLogger(__name__)
+
+TRAIN_RUN = "train"
+
+
+class RunError(RuntimeError):
+    """The run cannot start as configured; the message says what to change."""
+
+
+@dataclass
+class RunResult:
+    steps: int
+    version: int
+    before: EvalResult | None = None
+    after: EvalResult | None = None
+    reports: list[StepReport] = field(default_factory=list)
+    run_dir: Path = Path()
+    resumed_from: int | None = None
+    refed_episodes: int = 0
+
+
+class WeightPusher:
+    """Pause the engine, push the trainer's weights as ``version``, resume; bounded in time."""
+
+    def __init__(
+        self, cfg: Config, engine: InferenceBackend, backend: TrainBackend, host: PluginHost
+    ) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.timeout_s = cfg.weights.timeout_s
+        self.bucket_bytes = cfg.weights.bucket_mb << 20
+        self.pause_mode = PauseMode(cfg.weights.pause_mode)
+        self.sync = host.weight_sync_method(cfg.weights.method)(cfg, engine=engine)
+
+    async def __call__(self, version: int) -> None:
+        await self.engine.pause(self.pause_mode)
+        try:
+            state = self.backend.state_for_sync(self.bucket_bytes)
+            await asyncio.wait_for(self.sync.push(state, version), self.timeout_s)
+        except TimeoutError:
+            raise TrainingError(
+                f"pushing weight version {version} ({self.sync.method}) did not finish within "
+                f"weights.timeout_s={self.timeout_s:g} s"
+            ) from None
+        finally:
+            await self.engine.resume()
+        if self.engine.version != version:
+            raise TrainingError(
+                f"the engine serves version {self.engine.version} after pushing {version}"
+            )
+
+
+def _leftover_groups(store: TrajectoryStore, *, oldest_version: int) -> list[Group]:
+    """Accepted episodes of the training run that no step consumed and that are still fresh
+    enough to train (started under ``oldest_version`` or later), as their groups."""
+    by_group: dict[str, list[Any]] = defaultdict(list)
+    for episode in store.iter(run_id=TRAIN_RUN, consumed=False):
+        if int(episode.metadata.get("start_version", 0)) >= oldest_version:
+            by_group[episode.group_id or episode.id].append(episode)
+    return [Group(gid, eps) for gid, eps in by_group.items()]
+
+
+def _sinks(cfg: Config, run_dir: Path, host: PluginHost) -> MetricLogger:
+    return MetricLogger([host.metric_sink(name)(run_dir) for name in cfg.run.metric_sinks])
+
+
+class TrainingRun:
+    """Builds every part of a run from its config and runs it (``await run()``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        config_dir: Path,
+        resume: bool = False,
+        host: PluginHost | None = None,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        if cfg.agent.entry is None:
+            raise RunError("agent.entry is not set (module:function of your @areal.trace agent)")
+        if cfg.data.path is None:
+            raise RunError("data.path is not set (a JSONL file of training tasks)")
+        self.cfg = cfg
+        self.config_dir = config_dir
+        self.resume = resume
+        self.host = host or get_host()
+        self.on_step = on_step
+        self.on_event = on_event or (lambda message: log.info(message))
+        self.run_dir = Path(cfg.run.dir)
+        self.checkpoints = Checkpoints(self.run_dir, keep=cfg.run.keep_checkpoints)
+        self.store_path = self.run_dir / STORE_FILENAME
+        if not resume and (self.store_path.exists() or self.checkpoints.latest() is not None):
+            raise RunError(
+                f"{self.run_dir} already holds a run: pass --resume to continue it, or set "
+                "run.dir to a new directory"
+            )
+        if resume and self.checkpoints.latest() is None:
+            raise RunError(f"--resume: {self.run_dir} has no checkpoint to resume from")
+        self.tasks = load_tasks(
+            cfg.data.path,
+            id_field=cfg.data.id_field,
+            limit=cfg.data.limit,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.run.seed,
+        )
+        self.eval_tasks = (
+            load_tasks(cfg.data.eval_path, id_field=cfg.data.id_field, limit=cfg.data.eval_limit)
+            if cfg.data.eval_path
+            else []
+        )
+
+    def _controller(
+        self,
+        agent: Any,
+        stack: LocalStack,
+        run_id: str,
+        *,
+        group_size: int,
+        agent_kwargs: dict[str, Any],
+    ) -> RolloutController:
+        reward = self.host.reward_function(self.cfg.agent.reward) if self.cfg.agent.reward else None
+        return RolloutController(
+            agent,
+            stack.sessions(run_id),
+            group_size=group_size,
+            concurrency=self.cfg.rollout.concurrency,
+            timeout_s=self.cfg.rollout.timeout_s,
+            retries=self.cfg.rollout.retries,
+            reward_fn=reward,
+            agent_kwargs=agent_kwargs,
+        )
+
+    async def _evaluate(
+        self, agent: Any, stack: LocalStack, label: str, version: int
+    ) -> EvalResult:
+        kwargs = {**self.cfg.agent.kwargs, **self.cfg.eval.agent_kwargs}
+        controller = self._controller(
+            agent, stack, f"eval-{label}", group_size=self.cfg.eval.samples, agent_kwargs=kwargs
+        )
+        self.on_event(f"evaluating the {label} policy on {len(self.eval_tasks)} held-out tasks")
+        try:
+            return await evaluate(controller, self.eval_tasks, version=version)
+        finally:
+            await controller.sessions.aclose()
+
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        store = TrajectoryStore(self.store_path, run_id=TRAIN_RUN)
+        metrics = _sinks(cfg, self.run_dir, self.host)
+        result = RunResult(steps=0, version=0, run_dir=self.run_dir)
+        self.on_event("loading the train backend")
+        backend: TrainBackend = await asyncio.to_thread(
+            self.host.train_backend(cfg.train.backend), cfg
+        )
+        leftovers: list[Group] = []
+        if self.resume:
+            latest = self.checkpoints.latest()
+            assert latest is not None
+            await asyncio.to_thread(backend.load, latest.path)
+            released = store.release_consumed_from(latest.step)
+            leftovers = _leftover_groups(
+                store, oldest_version=backend.version - cfg.rollout.max_staleness
+            )
+            result.resumed_from = latest.step
+            result.refed_episodes = sum(len(g.episodes) for g in leftovers)
+            self.on_event(
+                f"resumed from step {latest.step}: {released} episodes of lost steps released, "
+                f"{result.refed_episodes} accepted episodes queued to train first"
+            )
+        self.on_event("starting the engine and the gateway")
+        stack = LocalStack(cfg, store, host=self.host)
+        await asyncio.to_thread(stack.start)
+        try:
+            assert stack.engine is not None
+            pusher = WeightPusher(cfg, stack.engine, backend, self.host)
+            if backend.version != stack.engine.version:
+                await pusher(backend.version)  # a resumed run serves its checkpoint's weights
+            agent = load_agent(cfg.agent.entry or "", search_path=[self.config_dir, Path.cwd()])
+            if self.eval_tasks and cfg.eval.before and not self.resume:
+                result.before = await self._evaluate(agent, stack, "initial", backend.version)
+                self.on_event(f"held-out reward before training: {result.before}")
+            controller = self._controller(
+                agent,
+                stack,
+                TRAIN_RUN,
+                group_size=cfg.rollout.group_size,
+                agent_kwargs=dict(cfg.agent.kwargs),
+            )
+
+            def checkpoint(_step: int) -> None:
+                saved = self.checkpoints.save(backend)
+                self.on_event(f"checkpoint {saved.path}")
+
+            trainer = AsyncTrainer(
+                cfg,
+                backend=backend,
+                controller=controller,
+                push_weights=pusher,
+                store=store,
+                run_dir=self.run_dir,
+                log=metrics.log,
+                checkpoint=checkpoint,
+                on_step=self.on_step,
+            )
+            started = time.perf_counter()
+            try:
+                result.reports = await trainer.train(self.tasks, leftovers=leftovers)
+            finally:
+                await controller.sessions.aclose()
+            self.on_event(
+                f"trained {len(result.reports)} steps in {time.perf_counter() - started:.0f} s; "
+                f"max staleness {trainer.max_seen_staleness}"
+            )
+            if self.eval_tasks and cfg.eval.after:
+                result.after = await self._evaluate(agent, stack, "trained", backend.version)
+                self.on_event(f"held-out reward after training: {result.after}")
+        finally:
+            await asyncio.to_thread(stack.stop)
+            metrics.close()
+            backend.close()
+        result.steps = backend.step
+        result.version = backend.version
+        self._write_eval(result)
+        plot_reward_curve(self.run_dir)
+        store.close()
+        return result
+
+    def _write_eval(self, result: RunResult) -> None:
+        path = self.run_dir / "eval.json"
+        previous = json.loads(path.read_text()) if path.is_file() else {}
+        if result.before is not None:
+            previous["before"] = result.before.as_dict()
+        if result.after is not None:
+            previous["after"] = result.after.as_dict()
+        if previous:
+            path.write_text(json.dumps(previous, indent=2))
