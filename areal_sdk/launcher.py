@@ -11,6 +11,7 @@ import asyncio
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,13 @@ from areal_sdk.hookspecs import GatewayRoute
 from areal_sdk.inference import InferenceBackend
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.store import TrajectoryStore
+from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tracing import EpisodeContext
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 ADMIN_TOKEN_ENV = "AREAL_SDK_ADMIN_TOKEN"
+# In-process engines that are rebuilt, with the latest weights, when they die.
+SUPERVISED_BACKENDS = frozenset({"embedded"})
 
 
 class LaunchError(RuntimeError):
@@ -156,9 +160,15 @@ class LocalStack:
     """The inference engine and the gateway, in this process, on loopback."""
 
     def __init__(
-        self, cfg: Config, store: TrajectoryStore, *, host: PluginHost | None = None
+        self,
+        cfg: Config,
+        store: TrajectoryStore,
+        *,
+        host: PluginHost | None = None,
+        on_restart: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.on_restart = on_restart
         self.store = store
         self.host = host or get_host()
         self.admin_token = secrets.token_urlsafe(24)
@@ -170,7 +180,10 @@ class LocalStack:
         from areal_sdk.gateway import create_app
 
         factory = self.host.inference_backend(self.cfg.inference.backend)
-        self.engine = factory(self.cfg)
+        if self.cfg.inference.backend in SUPERVISED_BACKENDS:
+            self.engine = SupervisedEngine(lambda: factory(self.cfg), on_restart=self.on_restart)
+        else:
+            self.engine = factory(self.cfg)
         app = create_app(
             self.engine,
             admin_token=self.admin_token,

@@ -31,6 +31,7 @@ from areal_sdk.metrics import MetricLogger, plot_reward_curve
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.rollout import RolloutController
 from areal_sdk.store import STORE_FILENAME, TrajectoryStore
+from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import load_agent, load_tasks
 from areal_sdk.train_backend import TrainBackend
 from areal_sdk.trainer import AsyncTrainer, Group, StepReport, TrainingError
@@ -97,6 +98,22 @@ def _leftover_groups(store: TrajectoryStore, *, oldest_version: int) -> list[Gro
     return [Group(gid, eps) for gid, eps in by_group.items()]
 
 
+def _weights_of(backend: TrainBackend) -> Callable[[], Any]:
+    """The trainer's current weights and version, for an engine rebuilt after it died."""
+
+    async def latest() -> tuple[dict[str, Any], int] | None:
+        if backend.version == 0:
+            return None  # the factory loads the initial weights itself
+        tensors = {
+            name: t.detach().clone()
+            for bucket in backend.state_for_sync(256 << 20)
+            for name, t in bucket
+        }
+        return tensors, backend.version
+
+    return latest
+
+
 def _sinks(cfg: Config, run_dir: Path, host: PluginHost) -> MetricLogger:
     return MetricLogger([host.metric_sink(name)(run_dir) for name in cfg.run.metric_sinks])
 
@@ -127,6 +144,7 @@ class TrainingRun:
         self.run_dir = Path(cfg.run.dir)
         self.checkpoints = Checkpoints(self.run_dir, keep=cfg.run.keep_checkpoints)
         self.store_path = self.run_dir / STORE_FILENAME
+        self.stack: LocalStack | None = None  # set while running
         if not resume and (self.store_path.exists() or self.checkpoints.latest() is not None):
             raise RunError(
                 f"{self.run_dir} already holds a run: pass --resume to continue it, or set "
@@ -208,10 +226,14 @@ class TrainingRun:
                 f"{result.refed_episodes} accepted episodes queued to train first"
             )
         self.on_event("starting the engine and the gateway")
-        stack = LocalStack(cfg, store, host=self.host)
+        stack = self.stack = LocalStack(cfg, store, host=self.host, on_restart=self.on_event)
         await asyncio.to_thread(stack.start)
+        watchdog: asyncio.Task[None] | None = None
         try:
             assert stack.engine is not None
+            if isinstance(stack.engine, SupervisedEngine):
+                stack.engine.latest_weights = _weights_of(backend)
+                watchdog = asyncio.create_task(stack.engine.watch())
             pusher = WeightPusher(cfg, stack.engine, backend, self.host)
             if backend.version != stack.engine.version:
                 await pusher(backend.version)  # a resumed run serves its checkpoint's weights
@@ -255,6 +277,9 @@ class TrainingRun:
                 result.after = await self._evaluate(agent, stack, "trained", backend.version)
                 self.on_event(f"held-out reward after training: {result.after}")
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
             await asyncio.to_thread(stack.stop)
             metrics.close()
             backend.close()

@@ -72,3 +72,38 @@ def test_a_second_run_in_the_same_dir_needs_resume(run_config):
 def test_resume_without_a_checkpoint_is_refused(run_config):
     with pytest.raises(RunError, match="no checkpoint"):
         _run(run_config(), resume=True)
+
+
+def test_the_engine_dying_mid_run_is_restarted_with_the_latest_weights(run_config):
+    """The embedded engine's scheduler loop breaks after step 1; the run rebuilds the engine,
+    loads the trained weights into it, and finishes every step."""
+    cfg = load_config(run_config(run={"steps": 4}, eval={"before": False, "after": False}))
+    events: list[str] = []
+
+    def crash_once(report):
+        if report.step != 0:
+            return
+        engine = run.stack.engine.engine  # the SupervisedEngine's current embedded engine
+
+        def broken_step():
+            raise SystemExit("simulated engine crash")
+
+        engine._step = broken_step
+
+    run = TrainingRun(cfg, config_dir=cfg_dir(cfg), on_step=crash_once, on_event=events.append)
+    result = asyncio.run(run.run())
+    assert result.steps == 4
+    assert any("the engine died" in e for e in events), events
+    restarted = [e for e in events if "serves again at weight version" in e]
+    assert restarted and int(restarted[0].rsplit(" ", 1)[-1]) >= 1  # trained weights, not v0
+    store = TrajectoryStore(cfg.run.dir)
+    failed = [e for e in store.query(run_id="train") if e.status.value == "failed"]
+    late = {v for e in store.query(run_id="train") for t in e.turns for v in t.versions}
+    assert max(late) >= 3  # the rebuilt engine kept receiving pushes
+    assert len(failed) < len(store.query(run_id="train"))
+
+
+def cfg_dir(cfg):
+    from pathlib import Path
+
+    return Path(cfg.data.path).parent

@@ -1,0 +1,48 @@
+"""``areal-sdk train`` and ``areal-sdk rollout`` as a user runs them, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from areal_sdk.store import TrajectoryStore
+
+
+def cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "areal_sdk", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+def test_train_runs_evaluates_and_refuses_to_overwrite(run_config):
+    config = run_config(run={"steps": 2})
+    done = cli("train", config)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "held-out reward before:" in done.stdout and "held-out reward after:" in done.stdout
+    assert "gain:" in done.stdout and "step 2/2" in done.stdout
+    run_dir = config.parent / "run"
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((run_dir / "eval.json").read_text())["after"]["episodes"] == 4
+    again = cli("train", config)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_train_names_a_bad_config_key(run_config):
+    done = cli("train", run_config(), "rollout.batch_size=3")
+    assert done.returncode == 2
+    assert "rollout" in done.stderr and "multiple of rollout.group_size" in done.stderr
+
+
+def test_rollout_stores_episodes_and_prints_the_reward(run_config):
+    config = run_config()
+    done = cli("rollout", config, "data.limit=3")
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "6 episodes (0 failed)" in done.stdout and "reward " in done.stdout
+    with TrajectoryStore(config.parent / "run") as store:
+        episodes = store.query(run_id="rollout")
+    assert len(episodes) == 6 and all(e.turns for e in episodes)

@@ -1,0 +1,72 @@
+"""The quickstart and GSM8K examples: valid configs, loadable agents, and the quickstart's
+own config driving a short real run (the tiny model standing in for SmolLM2)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from areal_sdk.config import load_config
+from areal_sdk.plugin_host import get_host
+from areal_sdk.tasks import load_agent, load_tasks
+from areal_sdk.training_run import TrainingRun
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CONFIGS = [
+    EXAMPLES / "quickstart" / "config.yaml",
+    EXAMPLES / "gsm8k" / "config.yaml",
+    EXAMPLES / "gsm8k" / "config.deepspeed.yaml",
+    EXAMPLES / "gsm8k" / "config.gpu.yaml",
+]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_example_config_loads_its_agent_and_reward(path, monkeypatch, gsm8k_dir):
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")  # the agents build a client at import
+    cfg = load_config(path)
+    agent = load_agent(cfg.agent.entry, search_path=path.parent)
+    assert hasattr(agent, "__areal_trace__")
+    assert load_tasks(cfg.data.path) and load_tasks(cfg.data.eval_path)
+    if cfg.agent.reward:
+        assert cfg.agent.reward in get_host().reward_functions()
+    assert cfg.rollout.batch_size % cfg.rollout.group_size == 0
+
+
+def test_gsm8k_reward_reads_the_final_answer(gsm8k_dir):
+    reward = get_host().reward_function("gsm8k")
+    task = load_tasks(gsm8k_dir / "train.jsonl", limit=1)[0]  # "... #### 72"
+    assert reward("48 + 24 = 72\n#### 72", task) == 1.0
+    assert reward("#### 71", task) == 0.0
+
+
+def test_quickstart_score_is_strict(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    from examples.quickstart.agent import score
+
+    assert score("<answer>27</answer>", "27") == 1.0
+    assert score(" <answer> 27 </answer>\n", "27") == 1.0
+    assert score("The answer is <answer>27</answer>", "27") == 0.0
+    assert score("<answer>26</answer>", "27") == 0.0
+    assert score("27", "27") == 0.0
+
+
+def test_quickstart_config_runs_two_steps(tiny_model_dir, tmp_path):
+    cfg = load_config(
+        CONFIGS[0],
+        [
+            "model.name=null",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=2",
+            "rollout.batch_size=8",
+            "rollout.group_size=4",
+            "data.eval_limit=4",
+            "eval.samples=1",
+            "algorithm.dynamic_filter=false",  # a random tiny model rarely scores
+            "run.metric_sinks=[jsonl]",
+        ],
+    )
+    result = asyncio.run(TrainingRun(cfg, config_dir=CONFIGS[0].parent).run())
+    assert result.steps == 2 and result.after is not None and result.after.episodes == 4
