@@ -8,7 +8,7 @@ rollout controller only ever talk to this interface.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -35,6 +35,9 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     seed: int | None = None
     n: int = Field(1, ge=1)
+    # The k most likely tokens at each sampled position (SGLang takes ``top_logprobs_num``
+    # beside ``sampling_params``). 0 computes nothing extra.
+    top_logprobs_num: int = Field(0, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -64,6 +67,24 @@ class GenerateOutput:
     prompt_tokens: int = 0
     request_id: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # With ``top_logprobs_num`` k > 0: per position, the k most likely (token id, logprob)
+    # pairs, best first, from the distribution the sampled token's logprob comes from.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class GenerateChunk:
+    """Tokens that one completion produced since the previous chunk (``InferenceBackend.stream``).
+
+    The last chunk of a completion carries its whole ``output``; the ``ids`` of all chunks
+    concatenated equal ``output.output_ids``.
+    """
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    output: GenerateOutput | None = None
 
 
 class PauseMode(StrEnum):
@@ -115,6 +136,24 @@ class InferenceBackend(abc.ABC):
                     for i, seed in enumerate(seeds)
                 )
             )
+        )
+
+    async def stream(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Yield one completion's tokens as they are sampled; the last chunk carries the
+        ``GenerateOutput``. Leaving the iterator early aborts the request.
+
+        The default waits for ``generate`` and yields everything as one chunk; backends that
+        can do better override it.
+        """
+        out = await self.generate(input_ids, sampling, request_id=request_id)
+        yield GenerateChunk(
+            ids=list(out.output_ids),
+            logprobs=list(out.logprobs),
+            versions=list(out.versions),
+            top_logprobs=None if out.top_logprobs is None else list(out.top_logprobs),
+            output=out,
         )
 
     @abc.abstractmethod

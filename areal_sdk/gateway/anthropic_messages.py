@@ -4,13 +4,15 @@ Anthropic's shape is translated into the gateway's conversation: the top-level `
 becomes the first message, ``tool_use`` blocks become tool calls (``input`` is an object) and
 ``tool_result`` blocks in a user turn become tool messages, in order. ``stop_reason`` maps from
 the completion: a parsed tool call is ``tool_use``, the token budget ``max_tokens``, a stop
-sequence ``stop_sequence``, anything else ``end_turn``.
+sequence ``stop_sequence``, anything else ``end_turn``. Streaming is live (``live.py``):
+thinking and text deltas go out as they are sampled, ``tool_use`` blocks at the end.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,10 +20,20 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_sdk.gateway.conversation import Message, Tool, ToolCall
-from areal_sdk.gateway.errors import GatewayError, unsupported
-from areal_sdk.gateway.generation import Generator, Sampled
-from areal_sdk.gateway.openai_chat import token_pieces, turn_headers
-from areal_sdk.gateway.state import authenticate, gateway_of, in_call, parse, read_json, sse
+from areal_sdk.gateway.errors import GatewayError, error_body, unsupported
+from areal_sdk.gateway.generation import Sampled
+from areal_sdk.gateway.live import ChatStream
+from areal_sdk.gateway.openai_chat import turn_headers
+from areal_sdk.gateway.state import (
+    authenticate,
+    call_metadata,
+    gateway_of,
+    in_call,
+    json_body,
+    parse,
+    read_json,
+    sse,
+)
 
 router = APIRouter()
 
@@ -170,7 +182,7 @@ def content_blocks(c: Sampled) -> list[dict[str, Any]]:
     return blocks
 
 
-@router.post("/v1/messages", response_model=None)
+@router.post("/v1/messages", response_model=None, openapi_extra=json_body(MessagesRequest))
 async def messages(request: Request) -> Response:
     gw = gateway_of(request)
     caller = authenticate(request, "anthropic")
@@ -204,37 +216,38 @@ async def messages(request: Request) -> Response:
     if req.thinking and "enable_thinking" in gw.generator.builder.template:
         kwargs["enable_thinking"] = req.thinking.get("type") in ("enabled", "adaptive")
     stops = list(req.stop_sequences or [])
-    async with in_call(gw, caller):
-        result = await gw.generator.chat(
-            caller.session,
-            "anthropic.messages",
-            body,
-            msgs,
-            tools if use_tools else [],
-            max_tokens=req.max_tokens,
-            sampling={
-                "temperature": req.temperature,
-                "top_p": req.top_p,
-                "top_k": req.top_k,
-                "stop": stops,
-            },
-            parse_tools=use_tools,
-            parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
-            template_kwargs=kwargs,
-        )
-    c = result.choices[0]
+    gen = gw.generator
+    call = gen.prepare(
+        caller.session,
+        "anthropic.messages",
+        body,
+        msgs,
+        tools if use_tools else [],
+        max_tokens=req.max_tokens,
+        sampling={
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "stop": stops,
+        },
+        parse_tools=use_tools,
+        parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
+        template_kwargs=kwargs,
+        metadata=call_metadata(request),
+    )
     mid = "msg_" + secrets.token_hex(12)
-    usage = {
-        "input_tokens": len(result.prompt.ids),
-        "output_tokens": len(c.ids),
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
-    }
-    headers = turn_headers(caller.session, result.choices)
+    headers = turn_headers(call)
     if req.stream:
-        response = sse(stream_events(gw.generator, mid, req.model, c, usage), done=False)
-        response.headers.update(headers)
-        return response
+        stream = ChatStream(gen, call)
+        await stream.start()
+        events = live_events(mid, req.model, stream)
+        return sse(events, done=False, on_close=stream.close, headers=headers)
+    async with in_call(gw, caller):
+        (output,) = await gen.generate(call.prompt.ids, call.params)
+        gen.count_tokens(len(call.prompt.ids), [output])
+        c = gen.finish_choice(call, output)
+        gen.record_choice(call, 0, c)
+    reason = stop_reason(c)
     return JSONResponse(
         {
             "id": mid,
@@ -242,98 +255,104 @@ async def messages(request: Request) -> Response:
             "role": "assistant",
             "model": req.model,
             "content": content_blocks(c),
-            "stop_reason": stop_reason(c),
-            "stop_sequence": c.matched_stop if stop_reason(c) == "stop_sequence" else None,
-            "usage": usage,
+            "stop_reason": reason,
+            "stop_sequence": c.matched_stop if reason == "stop_sequence" else None,
+            "usage": usage_of(len(call.prompt.ids), len(c.ids)),
         },
         headers=headers,
     )
 
 
-def stream_events(
-    gen: Generator, mid: str, model: str, c: Sampled, usage: dict[str, Any]
-) -> list[tuple[str, dict[str, Any]]]:
-    start_usage = {**usage, "output_tokens": 0}
-    events: list[tuple[str, dict[str, Any]]] = [
-        (
-            "message_start",
-            {
-                "type": "message_start",
-                "message": {
-                    "id": mid,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": start_usage,
-                },
-            },
-        ),
-        ("ping", {"type": "ping"}),
-    ]
+def usage_of(prompt_len: int, output_len: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt_len,
+        "output_tokens": output_len,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
 
-    def block(index: int, start: dict[str, Any], deltas: list[dict[str, Any]]) -> None:
-        events.append(
-            (
-                "content_block_start",
-                {"type": "content_block_start", "index": index, "content_block": start},
-            )
-        )
-        for d in deltas:
-            events.append(
-                ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
-            )
-        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
 
-    index = 0
-    if c.reasoning:
-        block(
-            index,
-            {"type": "thinking", "thinking": "", "signature": ""},
-            [
-                {"type": "thinking_delta", "thinking": c.reasoning},
-                {"type": "signature_delta", "signature": ""},
-            ],
-        )
-        index += 1
-    if c.content or not c.tool_calls:
-        ids = c.ids[:-1] if c.ids and c.ids[-1] in gen.builder.end_ids else c.ids
-        pieces = token_pieces(gen, ids) if c.content == c.text else []
-        if not pieces or "".join(pieces) != c.content:
-            pieces = [c.content] if c.content else []
-        block(
-            index,
-            {"type": "text", "text": ""},
-            [{"type": "text_delta", "text": p} for p in pieces if p],
-        )
-        index += 1
-    for t in c.tool_calls:
-        block(
-            index,
-            {"type": "tool_use", "id": t.id, "name": t.name, "input": {}},
-            [
-                {
-                    "type": "input_json_delta",
-                    "partial_json": json.dumps(t.arguments_obj(), ensure_ascii=False),
-                }
-            ],
-        )
-        index += 1
-    reason = stop_reason(c)
-    events.append(
-        (
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {
-                    "stop_reason": reason,
-                    "stop_sequence": c.matched_stop if reason == "stop_sequence" else None,
-                },
-                "usage": {"output_tokens": usage["output_tokens"]},
+async def live_events(
+    mid: str, model: str, stream: ChatStream
+) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Anthropic's named SSE events as the completion is sampled."""
+    yield (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage_of(stream.prompt_len, 0),
             },
-        )
+        },
     )
-    events.append(("message_stop", {"type": "message_stop"}))
-    return events
+    yield "ping", {"type": "ping"}
+    index = 0
+    kind: str | None = None  # the block that is open
+    had_text = False
+
+    def start(block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        nonlocal kind
+        kind = block["type"]
+        return "content_block_start", {
+            "type": "content_block_start",
+            "index": index,
+            "content_block": block,
+        }
+
+    def delta(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}
+
+    def stop() -> tuple[str, dict[str, Any]]:
+        nonlocal kind, index
+        kind = None
+        index += 1
+        return "content_block_stop", {"type": "content_block_stop", "index": index - 1}
+
+    try:
+        async for ev in stream.events():
+            if ev.reasoning:
+                if kind is None:
+                    yield start({"type": "thinking", "thinking": "", "signature": ""})
+                yield delta({"type": "thinking_delta", "thinking": ev.reasoning})
+            if (ev.content or ev.done is not None) and kind == "thinking":
+                yield delta({"type": "signature_delta", "signature": ""})
+                yield stop()
+            if ev.content:
+                if kind is None:
+                    had_text = True
+                    yield start({"type": "text", "text": ""})
+                yield delta({"type": "text_delta", "text": ev.content})
+            c = ev.done
+            if c is None:
+                continue
+            if not had_text and not c.tool_calls:
+                yield start({"type": "text", "text": ""})  # an empty answer is one empty block
+            if kind == "text":
+                yield stop()
+            for t in c.tool_calls:
+                yield start({"type": "tool_use", "id": t.id, "name": t.name, "input": {}})
+                args = json.dumps(t.arguments_obj(), ensure_ascii=False)
+                yield delta({"type": "input_json_delta", "partial_json": args})
+                yield stop()
+            reason = stop_reason(c)
+            yield (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": reason,
+                        "stop_sequence": c.matched_stop if reason == "stop_sequence" else None,
+                    },
+                    "usage": {"output_tokens": len(c.ids)},
+                },
+            )
+            yield "message_stop", {"type": "message_stop"}
+    except GatewayError as err:
+        yield "error", error_body("anthropic", err.status, err.message)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,8 @@ from areal_sdk.gateway.metrics import GatewayMetrics
 from areal_sdk.gateway.sessions import Session, SessionManager
 from areal_sdk.gateway.templating import HistoryEntry, Prompt, PromptBuilder, render_key
 from areal_sdk.gateway.tool_parsers import ToolCallParser, split_reasoning
-from areal_sdk.inference import GenerateOutput, InferenceBackend, SamplingParams
-from areal_sdk.trajectory import Turn, TurnApi
+from areal_sdk.inference import GenerateChunk, GenerateOutput, InferenceBackend, SamplingParams
+from areal_sdk.trajectory import Turn, TurnApi, new_id
 
 # An engine that keeps aborting (paused for longer than this many resubmissions) fails the call.
 MAX_RESUBMITS = 64
@@ -56,6 +57,25 @@ class Sampled:
             tool_calls=self.tool_calls,
             reasoning=self.reasoning,
         )
+
+
+@dataclass
+class ChatCall:
+    """A chat-shaped call after templating: what to sample, and how to record it."""
+
+    session: Session | None
+    api: TurnApi
+    request: dict[str, Any]
+    messages: list[Message]
+    tools: list[Tool]
+    template_kwargs: dict[str, Any]
+    prompt: Prompt
+    params: SamplingParams
+    parse_tools: bool
+    parallel_tool_calls: bool
+    metadata: dict[str, Any]  # the client's (x-areal-metadata), merged into each turn's
+    turn_ids: list[str]  # one per choice, known before sampling so headers can name them
+    thinking: bool = False  # the prompt opened a <think> block
 
 
 @dataclass
@@ -108,57 +128,78 @@ class Generator:
         except ValidationError as exc:
             raise from_validation(exc) from exc
 
+    async def completion_chunks(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, live: bool
+    ) -> AsyncIterator[GenerateChunk]:
+        """One completion's tokens as chunks; the last carries the finished ``GenerateOutput``.
+
+        ``live`` streams from the backend as it samples; otherwise one ``generate`` call per
+        submission. An aborted submission (weights being updated) is resubmitted with its
+        partial output appended; the chunks continue seamlessly.
+        """
+        acc = GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="stop")
+        wants_top = sampling.top_logprobs_num > 0
+        tops: list[list[tuple[int, float]]] = []
+        for attempt in range(MAX_RESUBMITS):
+            left = sampling.max_new_tokens - len(acc.output_ids)
+            part = sampling.model_copy(update={"max_new_tokens": left})
+            ids = [*prompt_ids, *acc.output_ids]
+            source = (
+                self.backend.stream(ids, part) if live else _once(self.backend.generate(ids, part))
+            )
+            async for chunk in _guarded(source):
+                out = chunk.output
+                if out is None:
+                    yield chunk
+                    continue
+                acc.output_ids += out.output_ids
+                acc.logprobs += out.logprobs
+                acc.versions += out.versions
+                tops += out.top_logprobs or []
+                for k, v in out.meta.items():
+                    if isinstance(v, list) and isinstance(acc.meta.get(k), list):
+                        acc.meta[k] = acc.meta[k] + v
+                    else:
+                        acc.meta[k] = v
+                done = (
+                    out.finish_reason != "abort"
+                    or len(acc.output_ids) >= sampling.max_new_tokens
+                    or attempt == MAX_RESUBMITS - 1
+                )
+                final = None
+                if done:
+                    final = GenerateOutput(
+                        output_ids=acc.output_ids,
+                        logprobs=acc.logprobs,
+                        versions=acc.versions,
+                        finish_reason="length"
+                        if out.finish_reason == "abort"
+                        else out.finish_reason,
+                        matched_stop=out.matched_stop,
+                        prompt_tokens=len(prompt_ids),
+                        request_id=out.request_id,
+                        meta=acc.meta,
+                        top_logprobs=tops if wants_top else None,
+                    )
+                yield GenerateChunk(
+                    ids=chunk.ids,
+                    logprobs=chunk.logprobs,
+                    versions=chunk.versions,
+                    top_logprobs=chunk.top_logprobs,
+                    output=final,
+                )
+                if done:
+                    return
+                if not out.output_ids:
+                    await asyncio.sleep(0.05)  # paused engine: give the weight update time
+
     async def _generate_one(
         self, prompt_ids: list[int], sampling: SamplingParams
     ) -> GenerateOutput:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        meta: dict[str, Any] = {}
-        out: GenerateOutput | None = None
-        for _ in range(MAX_RESUBMITS):
-            left = sampling.max_new_tokens - len(ids)
-            part = sampling.model_copy(update={"max_new_tokens": left})
-            try:
-                out = await self.backend.generate([*prompt_ids, *ids], part)
-            except GatewayError:
-                raise
-            except ValueError as exc:  # the engine's own input checks (EngineInputError)
-                raise GatewayError(
-                    400,
-                    f"the inference engine refused the request: {exc}"[:500],
-                    code="invalid_request",
-                ) from exc
-            except Exception as exc:  # the engine is down or refused: 503, no trace to the client
-                raise GatewayError(
-                    503,
-                    f"the inference engine is unavailable ({type(exc).__name__}: {exc})"[:500],
-                    code="engine_unavailable",
-                ) from exc
-            ids += out.output_ids
-            logprobs += out.logprobs
-            versions += out.versions
-            for k, v in out.meta.items():
-                if isinstance(v, list) and isinstance(meta.get(k), list):
-                    meta[k] = meta[k] + v
-                else:
-                    meta[k] = v
-            if out.finish_reason != "abort" or len(ids) >= sampling.max_new_tokens:
-                break
-            if not out.output_ids:
-                await asyncio.sleep(0.05)  # paused engine: give the weight update time
-        assert out is not None
-        finish = "length" if out.finish_reason == "abort" else out.finish_reason
-        return GenerateOutput(
-            output_ids=ids,
-            logprobs=logprobs,
-            versions=versions,
-            finish_reason=finish,
-            matched_stop=out.matched_stop,
-            prompt_tokens=len(prompt_ids),
-            request_id=out.request_id,
-            meta=meta,
-        )
+        async for chunk in self.completion_chunks(prompt_ids, sampling, live=False):
+            if chunk.output is not None:
+                return chunk.output
+        raise AssertionError("a completion ended without its output")
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams
@@ -206,9 +247,11 @@ class Generator:
         *,
         parse_tools: bool,
         parallel_tool_calls: bool = True,
+        thinking: bool = False,
     ) -> Sampled:
+        """Decode and parse a completion; ``thinking``: the prompt opened a ``<think>``."""
         text, matched = self.decode(output, stops)
-        split = split_reasoning(text)
+        split = split_reasoning(text, opened=thinking)
         content, calls = split.content, []
         if parse_tools:
             parsed = self.parser(content)
@@ -245,8 +288,10 @@ class Generator:
         output: GenerateOutput,
         finish_reason: str,
         metadata: dict[str, Any],
+        turn_id: str | None = None,
     ) -> Turn:
         return Turn(
+            id=turn_id or new_id("turn"),
             api=api,
             request=request,
             prompt_ids=list(prompt_ids),
@@ -263,7 +308,7 @@ class Generator:
 
     # -- the chat-shaped call (chat completions, responses, messages) -----------------------
 
-    async def chat(
+    def prepare(
         self,
         session: Session | None,
         api: TurnApi,
@@ -276,7 +321,9 @@ class Generator:
         parse_tools: bool,
         parallel_tool_calls: bool = True,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> ChatResult:
+        metadata: dict[str, Any] | None = None,
+    ) -> ChatCall:
+        """Template the conversation (reusing sampled history) and check it fits."""
         kwargs = template_kwargs or {}
         history = session.history if session is not None else ()
         prompt = self.builder.build(messages, tools, history, kwargs)
@@ -285,37 +332,126 @@ class Generator:
         elif prompt.split_reason is not None:
             self.metrics.history_splits.labels(prompt.split_reason).inc()
         params = self.sampling(len(prompt.ids), max_tokens, **sampling)
-        outputs = await self.generate(prompt.ids, params)
-        self.count_tokens(len(prompt.ids), outputs)
-        choices = [
-            self.finish(
-                o, params.stop, parse_tools=parse_tools, parallel_tool_calls=parallel_tool_calls
+        return ChatCall(
+            session=session,
+            api=api,
+            request=request,
+            messages=messages,
+            tools=tools,
+            template_kwargs=kwargs,
+            prompt=prompt,
+            params=params,
+            parse_tools=parse_tools,
+            parallel_tool_calls=parallel_tool_calls,
+            metadata=dict(metadata or {}),
+            turn_ids=[new_id("turn") for _ in range(params.n)],
+            thinking=self.opens_thinking(prompt.ids),
+        )
+
+    def opens_thinking(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside an open ``<think>`` block (Qwen3-style templates)."""
+        tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith("<think>")
+
+    def finish_choice(self, call: ChatCall, output: GenerateOutput) -> Sampled:
+        return self.finish(
+            output,
+            call.params.stop,
+            parse_tools=call.parse_tools,
+            parallel_tool_calls=call.parallel_tool_calls,
+            thinking=call.thinking,
+        )
+
+    def record_choice(
+        self, call: ChatCall, index: int, choice: Sampled, *, finish_reason: str | None = None
+    ) -> None:
+        """Store one completion as a Turn of the call's episode (nothing without a session).
+
+        ``finish_reason="abort"`` records a stream the client left early: the turn holds what
+        was sampled, and it is not offered as history for later calls to continue.
+        """
+        session = call.session
+        if session is None:
+            return
+        source = "merged" if call.prompt.reused else (call.prompt.split_reason or "templated")
+        # The client's metadata first, so it cannot overwrite what the gateway records.
+        meta: dict[str, Any] = {**call.metadata, "choice": index, "prompt_source": source}
+        if choice.reasoning is not None:
+            meta["reasoning"] = choice.reasoning
+        if choice.tool_calls:
+            meta["tool_calls"] = [
+                {"id": c.id, "name": c.name, "arguments": json.loads(c.arguments)}
+                for c in choice.tool_calls
+            ]
+        reason = finish_reason or choice.finish_reason
+        turn = self.make_turn(
+            call.api,
+            call.request,
+            call.prompt.ids,
+            choice.output,
+            reason,
+            meta,
+            call.turn_ids[index],
+        )
+        entry = None
+        if reason != "abort":
+            entry = HistoryEntry(
+                messages=tuple(m.key() for m in call.messages),
+                reply=choice.reply().key(),
+                render_key=render_key(call.tools, call.template_kwargs),
+                prompt_ids=call.prompt.ids,
+                completion_ids=choice.output.output_ids,
             )
-            for o in outputs
-        ]
-        if session is not None:
-            rkey = render_key(tools, kwargs)
-            convo = tuple(m.key() for m in messages)
-            source = "merged" if prompt.reused else (prompt.split_reason or "templated")
-            for i, choice in enumerate(choices):
-                meta: dict[str, Any] = {"choice": i, "prompt_source": source}
-                if choice.reasoning is not None:
-                    meta["reasoning"] = choice.reasoning
-                if choice.tool_calls:
-                    meta["tool_calls"] = [
-                        {"id": c.id, "name": c.name, "arguments": json.loads(c.arguments)}
-                        for c in choice.tool_calls
-                    ]
-                turn = self.make_turn(
-                    api, request, prompt.ids, choice.output, choice.finish_reason, meta
-                )
-                entry = HistoryEntry(
-                    messages=convo,
-                    reply=choice.reply().key(),
-                    render_key=rkey,
-                    prompt_ids=prompt.ids,
-                    completion_ids=choice.output.output_ids,
-                )
-                self.sessions.record(session, turn, entry)
-                choice.turn = turn
-        return ChatResult(prompt=prompt, choices=choices)
+        self.sessions.record(session, turn, entry)
+        choice.turn = turn
+
+    async def chat(
+        self,
+        session: Session | None,
+        api: TurnApi,
+        request: dict[str, Any],
+        messages: list[Message],
+        tools: list[Tool],
+        **options: Any,
+    ) -> ChatResult:
+        """Sample a chat-shaped call whole (options as for ``prepare``) and record it."""
+        call = self.prepare(session, api, request, messages, tools, **options)
+        outputs = await self.generate(call.prompt.ids, call.params)
+        self.count_tokens(len(call.prompt.ids), outputs)
+        choices = [self.finish_choice(call, o) for o in outputs]
+        for i, choice in enumerate(choices):
+            self.record_choice(call, i, choice)
+        return ChatResult(prompt=call.prompt, choices=choices)
+
+
+async def _once(result: Awaitable[GenerateOutput]) -> AsyncIterator[GenerateChunk]:
+    """A whole ``generate`` result as the single chunk of a stream."""
+    out = await result
+    yield GenerateChunk(out.output_ids, out.logprobs, out.versions, out.top_logprobs, out)
+
+
+async def _guarded(source: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    """The backend's chunks, with its failures turned into client-facing errors."""
+    try:
+        while True:
+            try:
+                chunk = await anext(source)
+            except StopAsyncIteration:
+                return
+            except GatewayError:
+                raise
+            except ValueError as exc:  # the engine's own input checks (EngineInputError)
+                raise GatewayError(
+                    400,
+                    f"the inference engine refused the request: {exc}"[:500],
+                    code="invalid_request",
+                ) from exc
+            except Exception as exc:  # engine down or refused: 503, no trace to the client
+                raise GatewayError(
+                    503,
+                    f"the inference engine is unavailable ({type(exc).__name__}: {exc})"[:500],
+                    code="engine_unavailable",
+                ) from exc
+            yield chunk
+    finally:
+        await source.aclose()  # type: ignore[attr-defined]

@@ -2,8 +2,9 @@
 
 Tools are rendered by the chat template and tool calls parsed from the completion text; there
 is no constrained decoding, so ``tool_choice="required"`` or a named function is a request the
-model may not follow (``"none"`` leaves the tools out of the prompt). Streaming sends the
-finished completion as chunks: the engine interface returns whole completions.
+model may not follow (``"none"`` leaves the tools out of the prompt). Streaming is live
+(``live.py``): content and reasoning deltas go out as the engine samples them; tool calls,
+which are parsed from the whole completion, come in the last chunks of their choice.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -18,9 +20,19 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_sdk.gateway.conversation import Message, Tool, ToolCall
-from areal_sdk.gateway.errors import GatewayError, unsupported
-from areal_sdk.gateway.generation import Generator, Sampled
-from areal_sdk.gateway.state import authenticate, gateway_of, in_call, parse, read_json, sse
+from areal_sdk.gateway.errors import GatewayError, error_body, unsupported
+from areal_sdk.gateway.generation import ChatCall, Generator, Sampled
+from areal_sdk.gateway.live import ChatStream
+from areal_sdk.gateway.state import (
+    authenticate,
+    call_metadata,
+    gateway_of,
+    in_call,
+    json_body,
+    parse,
+    read_json,
+    sse,
+)
 
 router = APIRouter()
 
@@ -207,15 +219,41 @@ def tools_and_choice(tools: list[Tool], choice: Any, param: str = "tool_choice")
     return True
 
 
+TopLogprobs = list[list[tuple[int, float]]] | None
+
+
+def token_entries(
+    gen: Generator, ids: list[int], logprobs: list[float], top: TopLogprobs
+) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprob objects, with the ``top_logprobs`` alternatives."""
+    entries = []
+    for i, (text, lp) in enumerate(zip(gen.token_texts(ids), logprobs, strict=False)):
+        alts: list[dict[str, Any]] = []
+        if top is not None and i < len(top):
+            alt_texts = gen.token_texts([t for t, _ in top[i]])
+            alts = [
+                {"token": t, "logprob": float(v), "bytes": list(t.encode())}
+                for t, (_, v) in zip(alt_texts, top[i], strict=True)
+            ]
+        entries.append(
+            {
+                "token": text,
+                "logprob": float(lp),
+                "bytes": list(text.encode()),
+                "top_logprobs": alts,
+            }
+        )
+    return entries
+
+
 def logprob_entries(gen: Generator, choice: Sampled) -> list[dict[str, Any]]:
-    """OpenAI's per-token logprobs for the returned tokens (the end-of-turn token excluded)."""
-    ids = choice.ids
-    if ids and ids[-1] in gen.builder.end_ids:
-        ids = ids[:-1]
-    return [
-        {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []}
-        for text, lp in zip(gen.token_texts(ids), choice.output.logprobs, strict=False)
-    ]
+    """Per-token logprobs for the returned tokens (the end-of-turn token excluded)."""
+    out = choice.output
+    n = len(out.output_ids)
+    if n and out.output_ids[-1] in gen.builder.end_ids:
+        n -= 1
+    top = None if out.top_logprobs is None else out.top_logprobs[:n]
+    return token_entries(gen, out.output_ids[:n], out.logprobs[:n], top)
 
 
 def usage_of(prompt_len: int, choices: list[Sampled]) -> dict[str, Any]:
@@ -231,20 +269,7 @@ def tool_call_json(c: ToolCall) -> dict[str, Any]:
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
-def token_pieces(gen: Generator, ids: list[int]) -> list[str]:
-    """The text each token adds, holding back bytes of an unfinished UTF-8 character."""
-    pieces, shown = [], ""
-    for i in range(len(ids)):
-        text = gen.tokenizer.decode(ids[: i + 1], skip_special_tokens=False)
-        if text.endswith("\ufffd") and i + 1 < len(ids):
-            pieces.append("")
-            continue
-        pieces.append(text[len(shown) :])
-        shown = text
-    return pieces
-
-
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=json_body(ChatRequest))
 async def chat_completions(request: Request) -> Response:
     gw = gateway_of(request)
     caller = authenticate(request, "openai")
@@ -267,11 +292,14 @@ async def chat_completions(request: Request) -> Response:
         raise unsupported("response_format", "Only {'type': 'text'} is supported.")
     if req.modalities and req.modalities != ["text"]:
         raise unsupported("modalities", "Only ['text'] is supported.")
-    if req.top_logprobs:
-        # The engine interface returns the sampled token's logprob only.
-        raise unsupported(
-            "top_logprobs", "Only the sampled tokens' logprobs are available (use 0)."
+    if req.top_logprobs and not req.logprobs:
+        raise GatewayError(
+            400,
+            "Invalid value for 'top_logprobs': 'logprobs' must be set to true to use it.",
+            param="top_logprobs",
+            code="invalid_value",
         )
+    metadata = call_metadata(request)
     messages = messages_from_openai(req.messages)
     tools = [
         Tool(
@@ -284,42 +312,47 @@ async def chat_completions(request: Request) -> Response:
     use_tools = tools_and_choice(tools, req.tool_choice)
     gen = gw.generator
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    async with in_call(gw, caller):
-        result = await gen.chat(
-            caller.session,
-            "openai.chat",
-            body,
-            messages,
-            tools if use_tools else [],
-            max_tokens=req.max_completion_tokens or req.max_tokens,
-            sampling={
-                "temperature": req.temperature,
-                "top_p": req.top_p,
-                "seed": req.seed,
-                "n": req.n,
-                "stop": stops,
-                "top_k": req.top_k,
-                "min_p": req.min_p,
-                "stop_token_ids": req.stop_token_ids,
-                "ignore_eos": req.ignore_eos,
-            },
-            parse_tools=use_tools,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
-            template_kwargs=req.chat_template_kwargs,
-        )
+    call = gen.prepare(
+        caller.session,
+        "openai.chat",
+        body,
+        messages,
+        tools if use_tools else [],
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        sampling={
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+            "n": req.n,
+            "stop": stops,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "top_logprobs_num": req.top_logprobs if req.logprobs else None,
+        },
+        parse_tools=use_tools,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        template_kwargs=req.chat_template_kwargs,
+        metadata=metadata,
+    )
     rid = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
-    headers = turn_headers(caller.session, result.choices)
+    headers = turn_headers(call)
     if req.stream:
+        stream = ChatStream(gen, call)
+        await stream.start()
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        events = stream_chunks(
-            gen, rid, created, req, result.choices, include_usage, len(result.prompt.ids)
-        )
-        response = sse(((None, e) for e in events), done=True)
-        response.headers.update(headers)
-        return response
+        events = live_chunks(gen, rid, created, req, stream, include_usage)
+        return sse(events, done=True, on_close=stream.close, headers=headers)
+    async with in_call(gw, caller):
+        outputs = await gen.generate(call.prompt.ids, call.params)
+        gen.count_tokens(len(call.prompt.ids), outputs)
+        result_choices = [gen.finish_choice(call, o) for o in outputs]
+        for i, c in enumerate(result_choices):
+            gen.record_choice(call, i, c)  # before the call ends, so /end waits for it
     choices = []
-    for i, c in enumerate(result.choices):
+    for i, c in enumerate(result_choices):
         message: dict[str, Any] = {
             "role": "assistant",
             "content": c.content if (c.content or not c.tool_calls) else None,
@@ -346,32 +379,34 @@ async def chat_completions(request: Request) -> Response:
         "created": created,
         "model": req.model,
         "choices": choices,
-        "usage": usage_of(len(result.prompt.ids), result.choices),
+        "usage": usage_of(len(call.prompt.ids), result_choices),
         "system_fingerprint": None,
     }
     if req.return_token_ids:
-        payload["prompt_token_ids"] = result.prompt.ids
+        payload["prompt_token_ids"] = call.prompt.ids
     return JSONResponse(payload, headers=headers)
 
 
-def turn_headers(session: Any, choices: list[Sampled]) -> dict[str, str]:
-    """Which episode and turns a call was recorded as (for per-turn rewards)."""
-    if session is None:
+def turn_headers(call: ChatCall) -> dict[str, str]:
+    """Which episode and turns a call is recorded as (for per-turn rewards)."""
+    if call.session is None:
         return {}
-    turns = ",".join(c.turn.id for c in choices if c.turn is not None)
-    return {"x-areal-episode-id": session.episode.id, "x-areal-turn-ids": turns}
+    return {
+        "x-areal-episode-id": call.session.episode.id,
+        "x-areal-turn-ids": ",".join(call.turn_ids),
+    }
 
 
-def stream_chunks(
+async def live_chunks(
     gen: Generator,
     rid: str,
     created: int,
     req: ChatRequest,
-    choices: list[Sampled],
+    stream: ChatStream,
     include_usage: bool,
-    prompt_len: int,
-) -> list[dict[str, Any]]:
-    base = {
+) -> AsyncIterator[tuple[None, dict[str, Any]]]:
+    """``chat.completion.chunk`` events as the choices are sampled."""
+    base: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
@@ -380,35 +415,38 @@ def stream_chunks(
     }
     if include_usage:
         base["usage"] = None
+    pending: dict[int, list[dict[str, Any]]] = {}
 
-    def chunk(
-        index: int,
-        delta: dict[str, Any],
-        finish: str | None = None,
-        logprobs: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        lp = {"content": logprobs, "refusal": None} if logprobs is not None else None
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        # Each chunk carries the logprobs of the tokens that arrived since the previous one.
+        entries = pending.pop(index, None)
+        lp = {"content": entries, "refusal": None} if entries else None
         return {
             **base,
             "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}],
         }
 
-    out = []
-    for i, c in enumerate(choices):
-        out.append(chunk(i, {"role": "assistant", "content": ""}))
-        if c.reasoning:
-            out.append(chunk(i, {"reasoning_content": c.reasoning}))
-        entries = logprob_entries(gen, c) if req.logprobs else None
-        ids = c.ids[:-1] if c.ids and c.ids[-1] in gen.builder.end_ids else c.ids
-        pieces = token_pieces(gen, ids) if c.content == c.text else []
-        if pieces and "".join(pieces) == c.content:
-            for j, piece in enumerate(pieces):
-                out.append(chunk(i, {"content": piece}, logprobs=[entries[j]] if entries else None))
-        elif c.content:
-            out.append(chunk(i, {"content": c.content}, logprobs=entries))
-        for j, t in enumerate(c.tool_calls):
-            out.append(chunk(i, {"tool_calls": [{"index": j, **tool_call_json(t)}]}))
-        out.append(chunk(i, {}, finish=c.finish_reason))
+    for i in range(len(stream.choices)):
+        yield None, chunk(i, {"role": "assistant", "content": ""})
+    try:
+        async for ev in stream.events():
+            i = ev.index
+            if req.logprobs and ev.ids:
+                pending.setdefault(i, []).extend(
+                    token_entries(gen, ev.ids, ev.logprobs, ev.top_logprobs)
+                )
+            if ev.reasoning:
+                yield None, chunk(i, {"reasoning_content": ev.reasoning})
+            if ev.content:
+                yield None, chunk(i, {"content": ev.content})
+            if ev.done is None:
+                continue
+            for j, t in enumerate(ev.done.tool_calls):
+                yield None, chunk(i, {"tool_calls": [{"index": j, **tool_call_json(t)}]})
+            yield None, chunk(i, {}, finish=ev.done.finish_reason)
+    except GatewayError as err:
+        yield None, error_body("openai", err.status, err.message, code=err.code, param=err.param)
+        return
     if include_usage:
-        out.append({**base, "choices": [], "usage": usage_of(prompt_len, choices)})
-    return out
+        done = [c for c in stream.choices if c is not None]
+        yield None, {**base, "choices": [], "usage": usage_of(stream.prompt_len, done)}

@@ -19,7 +19,17 @@ from areal_sdk.gateway.errors import GatewayError, unsupported
 from areal_sdk.gateway.generation import Generator
 from areal_sdk.gateway.openai_chat import check_unsupported
 from areal_sdk.gateway.sessions import Session
-from areal_sdk.gateway.state import authenticate, gateway_of, in_call, parse, read_json, sse
+from areal_sdk.gateway.state import (
+    authenticate,
+    call_metadata,
+    gateway_of,
+    in_call,
+    json_body,
+    parse,
+    read_json,
+    sse,
+)
+from areal_sdk.inference import GenerateOutput
 
 router = APIRouter()
 
@@ -59,11 +69,21 @@ def prompts_of(req: CompletionRequest, gen: Generator) -> list[tuple[str, list[i
         return [(p, None)]
     if not p:
         raise GatewayError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-    if all(isinstance(x, int) for x in p):
-        return [(gen.tokenizer.decode(p, skip_special_tokens=False), list(p))]
     if all(isinstance(x, str) for x in p):
         return [(x, None) for x in p]
-    return [(gen.tokenizer.decode(x, skip_special_tokens=False), list(x)) for x in p]
+    batch = [p] if all(isinstance(x, int) for x in p) else p
+    vocab = getattr(gen.backend, "vocab_size", None) or len(gen.tokenizer)
+    for ids in batch:
+        bad = [t for t in ids if not 0 <= t < vocab]  # type: ignore[operator]
+        if not ids or bad:
+            what = f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})" if bad else ""
+            raise GatewayError(
+                400,
+                f"Invalid value for 'prompt': {what or 'a token-id prompt is empty'}",
+                param="prompt",
+                code="invalid_value",
+            )
+    return [(gen.tokenizer.decode(x, skip_special_tokens=False), list(x)) for x in batch]  # type: ignore[arg-type]
 
 
 def prompt_ids_for(gen: Generator, session: Session | None, text: str) -> list[int]:
@@ -78,7 +98,22 @@ def prompt_ids_for(gen: Generator, session: Session | None, text: str) -> list[i
     return [*best[1], *gen.builder.encode(text[len(best[0]) :])]
 
 
-@router.post("/v1/completions", response_model=None)
+def top_logprobs_of(gen: Generator, toks: list[str], out: GenerateOutput) -> list[dict[str, float]]:
+    """Per position, the ``logprobs`` most likely tokens and the sampled one (so up to
+    ``logprobs + 1`` entries, as OpenAI documents), text -> logprob."""
+    rows = []
+    for i, (tok, lp) in enumerate(zip(toks, out.logprobs, strict=True)):
+        row: dict[str, float] = {}
+        if out.top_logprobs is not None:
+            alts = out.top_logprobs[i]
+            for text, (_, v) in zip(gen.token_texts([t for t, _ in alts]), alts, strict=True):
+                row.setdefault(text, float(v))  # tokens that decode alike keep the likeliest
+        row.setdefault(tok, float(lp))
+        rows.append(row)
+    return rows
+
+
+@router.post("/v1/completions", response_model=None, openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     gw = gateway_of(request)
     caller = authenticate(request, "openai")
@@ -87,6 +122,7 @@ async def completions(request: Request) -> Response:
     check_unsupported(req, ("suffix", "frequency_penalty", "presence_penalty", "logit_bias"))
     if req.best_of not in (None, 1, req.n):
         raise unsupported("best_of", "Only best_of == n is supported.")
+    metadata = call_metadata(request)
     gen = gw.generator
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     rid = "cmpl-" + secrets.token_hex(12)
@@ -109,6 +145,7 @@ async def completions(request: Request) -> Response:
                 min_p=req.min_p,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
+                top_logprobs_num=req.logprobs or None,
             )
             outputs = await gen.generate(ids, params)
             gen.count_tokens(len(ids), outputs)
@@ -131,7 +168,7 @@ async def completions(request: Request) -> Response:
                     choice["logprobs"] = {
                         "tokens": toks,
                         "token_logprobs": list(out.logprobs),
-                        "top_logprobs": None,
+                        "top_logprobs": top_logprobs_of(gen, toks, out),
                         "text_offset": offsets,
                     }
                 if req.return_token_ids:
@@ -145,7 +182,7 @@ async def completions(request: Request) -> Response:
                         ids,
                         out,
                         sampled.finish_reason,
-                        {"choice": choice["index"]},
+                        {**metadata, "choice": choice["index"]},
                     )
                     gw.sessions.record(caller.session, turn, None)
                     caller.session.text_history.append(

@@ -3,13 +3,15 @@
 Input items (messages, ``function_call``, ``function_call_output``) become the gateway's
 conversation; ``previous_response_id`` prepends a stored conversation of the same session
 (responses are kept per session, so one episode cannot continue another's). The output is
-a list of ``reasoning``, ``message`` and ``function_call`` items.
+a list of ``reasoning``, ``message`` and ``function_call`` items. Streaming is live
+(``live.py``): reasoning and output text deltas as they are sampled, function calls at the end.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,13 +21,25 @@ from pydantic import BaseModel, ConfigDict, Field
 from areal_sdk.gateway.conversation import Message, Tool, ToolCall
 from areal_sdk.gateway.errors import GatewayError, unsupported
 from areal_sdk.gateway.generation import Generator, Sampled
+from areal_sdk.gateway.live import ChatStream
 from areal_sdk.gateway.openai_chat import (
     check_unsupported,
     logprob_entries,
+    token_entries,
     tools_and_choice,
     turn_headers,
 )
-from areal_sdk.gateway.state import Caller, authenticate, gateway_of, in_call, parse, read_json, sse
+from areal_sdk.gateway.state import (
+    Caller,
+    authenticate,
+    call_metadata,
+    gateway_of,
+    in_call,
+    json_body,
+    parse,
+    read_json,
+    sse,
+)
 
 router = APIRouter()
 
@@ -165,14 +179,17 @@ def _stored(request: Request) -> dict[str, list[Message]]:
     return store
 
 
-def output_items(gen: Generator, c: Sampled, with_logprobs: bool) -> list[dict[str, Any]]:
+def output_items(
+    gen: Generator, c: Sampled, with_logprobs: bool, ids: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The output items of a completion; ``ids`` names the reasoning and message items."""
     items: list[dict[str, Any]] = []
     status = "incomplete" if c.finish_reason == "length" else "completed"
     if c.reasoning:
         items.append(
             {
                 "type": "reasoning",
-                "id": "rs_" + secrets.token_hex(12),
+                "id": ids["reasoning"],
                 "summary": [],
                 "content": [{"type": "reasoning_text", "text": c.reasoning}],
                 "status": status,
@@ -184,7 +201,7 @@ def output_items(gen: Generator, c: Sampled, with_logprobs: bool) -> list[dict[s
         items.append(
             {
                 "type": "message",
-                "id": "msg_" + secrets.token_hex(12),
+                "id": ids["message"],
                 "status": status,
                 "role": "assistant",
                 "content": [part],
@@ -204,16 +221,20 @@ def output_items(gen: Generator, c: Sampled, with_logprobs: bool) -> list[dict[s
     return items
 
 
-@router.post("/v1/responses", response_model=None)
+@router.post("/v1/responses", response_model=None, openapi_extra=json_body(ResponsesRequest))
 async def responses(request: Request) -> Response:
     gw = gateway_of(request)
     caller: Caller = authenticate(request, "openai")
     body = await read_json(request)
     req = parse(ResponsesRequest, body)
     check_unsupported(req, ("background", "conversation", "prompt"))
-    if req.top_logprobs:
-        raise unsupported(
-            "top_logprobs", "Only the sampled tokens' logprobs are available (use 0)."
+    with_logprobs = "message.output_text.logprobs" in (req.include or [])
+    if req.top_logprobs and not with_logprobs:
+        raise GatewayError(
+            400,
+            "Invalid value for 'top_logprobs': include 'message.output_text.logprobs' to use it.",
+            param="top_logprobs",
+            code="invalid_value",
         )
     fmt = ((req.text or {}).get("format") or {}).get("type", "text")
     if fmt != "text":
@@ -233,38 +254,74 @@ async def responses(request: Request) -> Response:
     messages = ([Message("system", req.instructions)] if req.instructions else []) + convo
     tools = tools_from(req.tools)
     use_tools = tools_and_choice(tools, req.tool_choice)
-    async with in_call(gw, caller):
-        result = await gw.generator.chat(
-            caller.session,
-            "openai.responses",
-            body,
-            messages,
-            tools if use_tools else [],
-            max_tokens=req.max_output_tokens,
-            sampling={"temperature": req.temperature, "top_p": req.top_p},
-            parse_tools=use_tools,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
-        )
-    c = result.choices[0]
+    gen = gw.generator
+    call = gen.prepare(
+        caller.session,
+        "openai.responses",
+        body,
+        messages,
+        tools if use_tools else [],
+        max_tokens=req.max_output_tokens,
+        sampling={
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_logprobs_num": req.top_logprobs if with_logprobs else None,
+        },
+        parse_tools=use_tools,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        metadata=call_metadata(request),
+    )
     resp_id = "resp_" + secrets.token_hex(16)
-    if caller.session is not None:
-        caller.session.remember_response(resp_id, [*convo, c.reply()])
-    else:
-        stored[resp_id] = [*convo, c.reply()]
-        while len(stored) > _ADMIN_RESPONSES:
-            stored.pop(next(iter(stored)))
-    with_logprobs = "message.output_text.logprobs" in (req.include or [])
-    items = output_items(gw.generator, c, with_logprobs)
-    n_prompt, n_out = len(result.prompt.ids), len(c.ids)
-    payload = {
+    item_ids = {
+        "reasoning": "rs_" + secrets.token_hex(12),
+        "message": "msg_" + secrets.token_hex(12),
+    }
+    created_at = time.time()
+
+    def payload_of(c: Sampled) -> dict[str, Any]:
+        if caller.session is not None:
+            caller.session.remember_response(resp_id, [*convo, c.reply()])
+        else:
+            stored[resp_id] = [*convo, c.reply()]
+            while len(stored) > _ADMIN_RESPONSES:
+                stored.pop(next(iter(stored)))
+        items = output_items(gen, c, with_logprobs, item_ids)
+        return response_payload(req, resp_id, created_at, c, items, len(call.prompt.ids))
+
+    headers = turn_headers(call)
+    if req.stream:
+        stream = ChatStream(gen, call)
+        await stream.start()
+        pending = response_payload(req, resp_id, created_at, None, [], len(call.prompt.ids))
+        events = live_events(gen, stream, pending, item_ids, with_logprobs, payload_of)
+        return sse(events, done=False, on_close=stream.close, headers=headers)
+    async with in_call(gw, caller):
+        (output,) = await gen.generate(call.prompt.ids, call.params)
+        gen.count_tokens(len(call.prompt.ids), [output])
+        c = gen.finish_choice(call, output)
+        gen.record_choice(call, 0, c)
+    return JSONResponse(payload_of(c), headers=headers)
+
+
+def response_payload(
+    req: ResponsesRequest,
+    resp_id: str,
+    created_at: float,
+    c: Sampled | None,
+    items: list[dict[str, Any]],
+    n_prompt: int,
+) -> dict[str, Any]:
+    """The ``response`` object; ``c`` None: still in progress."""
+    cut = c is not None and c.finish_reason == "length"
+    n_out = len(c.ids) if c is not None else 0
+    status = "in_progress" if c is None else ("incomplete" if cut else "completed")
+    return {
         "id": resp_id,
         "object": "response",
-        "created_at": time.time(),
-        "status": "incomplete" if c.finish_reason == "length" else "completed",
+        "created_at": created_at,
+        "status": status,
         "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"}
-        if c.finish_reason == "length"
-        else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": req.model,
@@ -273,13 +330,16 @@ async def responses(request: Request) -> Response:
         "previous_response_id": req.previous_response_id,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "top_logprobs": req.top_logprobs,
         "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [],
         "text": {"format": {"type": "text"}},
         "truncation": req.truncation or "disabled",
         "metadata": req.metadata or {},
         "store": req.store is not False,
-        "usage": {
+        "usage": None
+        if c is None
+        else {
             "input_tokens": n_prompt,
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": n_out,
@@ -287,96 +347,154 @@ async def responses(request: Request) -> Response:
             "total_tokens": n_prompt + n_out,
         },
     }
-    headers = turn_headers(caller.session, result.choices)
-    if not req.stream:
-        return JSONResponse(payload, headers=headers)
-    response = sse(stream_events(payload), done=False)
-    response.headers.update(headers)
-    return response
 
 
-def stream_events(payload: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    events: list[tuple[str, dict[str, Any]]] = []
+async def live_events(
+    gen: Generator,
+    stream: ChatStream,
+    pending: dict[str, Any],
+    item_ids: dict[str, str],
+    with_logprobs: bool,
+    payload_of: Callable[[Sampled], dict[str, Any]],
+) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """The Responses API's streaming events as the completion is sampled."""
+    seq = 0
 
-    def emit(kind: str, **fields: Any) -> None:
-        events.append((kind, {"type": kind, "sequence_number": len(events), **fields}))
+    def emit(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        nonlocal seq
+        seq += 1
+        return kind, {"type": kind, "sequence_number": seq - 1, **fields}
 
-    pending = {
-        **payload,
-        "status": "in_progress",
-        "output": [],
-        "usage": None,
-        "incomplete_details": None,
-    }
-    emit("response.created", response=pending)
-    emit("response.in_progress", response=pending)
-    for index, item in enumerate(payload["output"]):
-        iid = item["id"]
-        if item["type"] == "message":
+    yield emit("response.created", response=pending)
+    yield emit("response.in_progress", response=pending)
+    index = -1
+    is_open: str | None = None  # "reasoning" or "message"
+    reasoning, text = "", ""
+    entries: list[dict[str, Any]] = []  # logprobs not yet sent with a text delta
+    rs, ms = item_ids["reasoning"], item_ids["message"]
+
+    def reasoning_item(status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": reasoning}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": rs, "summary": [], "content": content, "status": status}
+
+    def open_message() -> list[tuple[str, dict[str, Any]]]:
+        nonlocal is_open, index
+        is_open, index = "message", index + 1
+        item = {"type": "message", "id": ms, "status": "in_progress", "role": "assistant"}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            emit("response.output_item.added", output_index=index, item={**item, "content": []}),
             emit(
-                "response.output_item.added",
+                "response.content_part.added",
+                item_id=ms,
                 output_index=index,
-                item={**item, "status": "in_progress", "content": []},
-            )
-            for ci, part in enumerate(item["content"]):
-                emit(
-                    "response.content_part.added",
-                    item_id=iid,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
+    def close_reasoning() -> list[tuple[str, dict[str, Any]]]:
+        nonlocal is_open
+        is_open = None
+        return [
+            emit(
+                "response.reasoning_text.done",
+                item_id=rs,
+                output_index=index,
+                content_index=0,
+                text=reasoning,
+            ),
+            emit("response.output_item.done", output_index=index, item=reasoning_item("completed")),
+        ]
+
+    try:
+        async for ev in stream.events():
+            if with_logprobs and ev.ids:
+                entries += token_entries(gen, ev.ids, ev.logprobs, ev.top_logprobs)
+            if ev.reasoning:
+                if is_open is None:
+                    is_open, index = "reasoning", index + 1
+                    yield emit(
+                        "response.output_item.added",
+                        output_index=index,
+                        item=reasoning_item("in_progress"),
+                    )
+                reasoning += ev.reasoning
+                yield emit(
+                    "response.reasoning_text.delta",
+                    item_id=rs,
                     output_index=index,
-                    content_index=ci,
-                    part={**part, "text": "", "logprobs": []},
+                    content_index=0,
+                    delta=ev.reasoning,
                 )
-                emit(
+            if is_open == "reasoning" and (ev.content or ev.done is not None):
+                for e in close_reasoning():
+                    yield e
+            if ev.content:
+                if is_open is None:
+                    for e in open_message():
+                        yield e
+                text += ev.content
+                yield emit(
                     "response.output_text.delta",
-                    item_id=iid,
+                    item_id=ms,
                     output_index=index,
-                    content_index=ci,
-                    delta=part["text"],
-                    logprobs=part.get("logprobs") or [],
+                    content_index=0,
+                    delta=ev.content,
+                    logprobs=entries,
                 )
-                emit(
-                    "response.output_text.done",
-                    item_id=iid,
-                    output_index=index,
-                    content_index=ci,
-                    text=part["text"],
-                    logprobs=part.get("logprobs") or [],
-                )
-                emit(
-                    "response.content_part.done",
-                    item_id=iid,
-                    output_index=index,
-                    content_index=ci,
-                    part=part,
-                )
-        elif item["type"] == "function_call":
-            emit(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "status": "in_progress", "arguments": ""},
+                entries = []
+            c = ev.done
+            if c is None:
+                continue
+            payload = payload_of(c)
+            for item in payload["output"]:
+                if item["type"] == "message":
+                    if is_open != "message":
+                        for e in open_message():
+                            yield e
+                    part = item["content"][0]
+                    yield emit(
+                        "response.output_text.done",
+                        item_id=ms,
+                        output_index=index,
+                        content_index=0,
+                        text=part["text"],
+                        logprobs=part["logprobs"],
+                    )
+                    yield emit(
+                        "response.content_part.done",
+                        item_id=ms,
+                        output_index=index,
+                        content_index=0,
+                        part=part,
+                    )
+                    yield emit("response.output_item.done", output_index=index, item=item)
+                    is_open = None
+                elif item["type"] == "function_call":
+                    index += 1
+                    yield emit(
+                        "response.output_item.added",
+                        output_index=index,
+                        item={**item, "status": "in_progress", "arguments": ""},
+                    )
+                    yield emit(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=item["arguments"],
+                    )
+                    yield emit(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        arguments=item["arguments"],
+                        name=item["name"],
+                    )
+                    yield emit("response.output_item.done", output_index=index, item=item)
+            done = (
+                "response.completed" if payload["status"] == "completed" else "response.incomplete"
             )
-            emit(
-                "response.function_call_arguments.delta",
-                item_id=iid,
-                output_index=index,
-                delta=item["arguments"],
-            )
-            emit(
-                "response.function_call_arguments.done",
-                item_id=iid,
-                output_index=index,
-                arguments=item["arguments"],
-                name=item["name"],
-            )
-        else:
-            emit(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "status": "in_progress"},
-            )
-        emit("response.output_item.done", output_index=index, item=item)
-    emit(
-        "response.completed" if payload["status"] == "completed" else "response.incomplete",
-        response=payload,
-    )
-    return events
+            yield emit(done, response=payload)
+    except GatewayError as err:
+        yield emit("error", code=err.code, message=err.message, param=err.param)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from areal_sdk.gateway.errors import GatewayError, from_validation
 from areal_sdk.gateway.sessions import Session, SessionError
-from areal_sdk.gateway.state import api_key_of, gateway_of, read_json, require_admin
+from areal_sdk.gateway.state import api_key_of, gateway_of, json_body, read_json, require_admin
 from areal_sdk.trajectory import EpisodeStatus
 
 router = APIRouter(prefix="/rl")
@@ -83,7 +83,7 @@ def _raise(exc: SessionError) -> GatewayError:
     )
 
 
-@router.post("/sessions")
+@router.post("/sessions", openapi_extra=json_body(CreateSession, required=False))
 async def create_session(request: Request) -> JSONResponse:
     require_admin(request)
     req = await _body(request, CreateSession, optional=True)
@@ -117,7 +117,7 @@ async def get_session(request: Request, episode_id: str) -> JSONResponse:
     return JSONResponse(session.episode.model_dump(mode="json"))
 
 
-@router.post("/sessions/{episode_id}/reward")
+@router.post("/sessions/{episode_id}/reward", openapi_extra=json_body(SetReward))
 async def set_reward(request: Request, episode_id: str) -> JSONResponse:
     session = _session_for(request, episode_id)
     req = await _body(request, SetReward)
@@ -128,7 +128,7 @@ async def set_reward(request: Request, episode_id: str) -> JSONResponse:
     return JSONResponse({"id": episode_id, "reward": req.reward, "turn_id": req.turn_id})
 
 
-@router.post("/sessions/{episode_id}/end")
+@router.post("/sessions/{episode_id}/end", openapi_extra=json_body(EndSession, required=False))
 async def end_session(request: Request, episode_id: str) -> JSONResponse:
     session = _session_for(request, episode_id)
     req = await _body(request, EndSession, optional=True)

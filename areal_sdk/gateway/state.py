@@ -8,10 +8,11 @@ other key is a 401 in the caller's format.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,6 +27,9 @@ from areal_sdk.gateway.metrics import GatewayMetrics
 from areal_sdk.gateway.sessions import Session, SessionManager
 
 M = TypeVar("M", bound=BaseModel)
+
+# Turn metadata a client sends with a call (plugins/_routing.py sets it from framework hooks).
+METADATA_HEADER = "x-areal-metadata"
 
 
 @dataclass
@@ -124,18 +128,101 @@ def parse(model: type[M], body: dict[str, Any]) -> M:
         raise from_validation(exc) from exc
 
 
-def sse(events: Iterable[tuple[str | None, Any]], *, done: bool) -> StreamingResponse:
+class LiveStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close`` when it ends, however it ends
+    (finished, client gone, server stopping), so a live generation is stopped and recorded."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.on_close()
+
+
+SseEvents = Iterable[tuple[str | None, Any]] | AsyncIterable[tuple[str | None, Any]]
+
+
+def sse(
+    events: SseEvents,
+    *,
+    done: bool,
+    on_close: Callable[[], Awaitable[None]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
     """Server-sent events: ``(event name or None, JSON payload)`` pairs, then ``[DONE]``."""
 
+    def encode(name: str | None, payload: Any) -> bytes:
+        head = f"event: {name}\n" if name else ""
+        return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
     async def body() -> AsyncIterator[bytes]:
-        for name, payload in events:
-            head = f"event: {name}\n" if name else ""
-            yield f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+        if isinstance(events, AsyncIterable):
+            async for name, payload in events:
+                yield encode(name, payload)
+        else:
+            for name, payload in events:
+                yield encode(name, payload)
         if done:
             yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    all_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+    if on_close is None:
+        return StreamingResponse(body(), media_type="text/event-stream", headers=all_headers)
+    return LiveStreamingResponse(
+        body(), media_type="text/event-stream", headers=all_headers, on_close=on_close
     )
+
+
+def call_metadata(request: Request) -> dict[str, Any]:
+    """The client's turn metadata from the ``x-areal-metadata`` header (a JSON object)."""
+    raw = request.headers.get(METADATA_HEADER)
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise GatewayError(
+            400,
+            f"The {METADATA_HEADER} header is not valid JSON: {exc.msg}.",
+            param=METADATA_HEADER,
+            code="invalid_metadata",
+        ) from exc
+    if not isinstance(value, dict):
+        raise GatewayError(
+            400,
+            f"The {METADATA_HEADER} header must be a JSON object, got {type(value).__name__}.",
+            param=METADATA_HEADER,
+            code="invalid_metadata",
+        )
+    return value
+
+
+def json_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` declaring a route's JSON body (routes read the raw body themselves,
+    to answer errors in their API's own shape), so the OpenAPI document is complete."""
+
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": inline(schema)}},
+        }
+    }

@@ -37,6 +37,18 @@ class ParsedCompletion:
 
 ToolCallParser = Callable[[str], ParsedCompletion]
 
+# A parser may also carry ``live_cut(text) -> int``: how much of a partial completion is
+# surely content (never part of a call), so streaming can show it before the end. Content
+# stays a prefix of the text (leading whitespace kept), so what was shown stays true.
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _JSON_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
@@ -82,7 +94,15 @@ def parse_hermes(text: str) -> ParsedCompletion:
         last = match.end()
         calls.append(call)
     kept.append(text[last:])
-    return ParsedCompletion(content="".join(kept).strip() if calls else text, tool_calls=calls)
+    return ParsedCompletion(content="".join(kept).rstrip() if calls else text, tool_calls=calls)
+
+
+def _hermes_live_cut(text: str) -> int:
+    pos = text.find("<tool_call>")
+    return pos if pos >= 0 else len(text) - _partial_suffix(text, "<tool_call>")
+
+
+parse_hermes.live_cut = _hermes_live_cut  # type: ignore[attr-defined]
 
 
 def parse_json(text: str) -> ParsedCompletion:
@@ -91,7 +111,7 @@ def parse_json(text: str) -> ParsedCompletion:
     candidates = [(text.strip(), "")]
     fence = _JSON_FENCE.search(text)
     if fence:
-        candidates.append((fence.group(1), (text[: fence.start()] + text[fence.end() :]).strip()))
+        candidates.append((fence.group(1), (text[: fence.start()] + text[fence.end() :]).rstrip()))
     for candidate, rest in candidates:
         try:
             obj = json.loads(candidate)
@@ -101,6 +121,16 @@ def parse_json(text: str) -> ParsedCompletion:
         if calls and all(c is not None for c in calls):
             return ParsedCompletion(content=rest, tool_calls=[c for c in calls if c is not None])
     return ParsedCompletion(content=text)
+
+
+def _json_live_cut(text: str) -> int:
+    if text.lstrip()[:1] in ("", "{", "["):  # the whole completion may be a call
+        return 0
+    pos = text.find("```")
+    return pos if pos >= 0 else len(text) - _partial_suffix(text, "```")
+
+
+parse_json.live_cut = _json_live_cut  # type: ignore[attr-defined]
 
 
 BUILTIN_PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes, "json": parse_json}
@@ -119,17 +149,20 @@ class Reasoning:
     content: str
 
 
-def split_reasoning(text: str) -> Reasoning:
+def split_reasoning(text: str, *, opened: bool = False) -> Reasoning:
     """Separate a ``<think>...</think>`` block from the answer.
 
     A template may open ``<think>`` inside the generation prompt (Qwen3, DeepSeek-R1), so a
-    closing tag alone also marks everything before it as reasoning.
+    closing tag alone also marks everything before it as reasoning; with ``opened`` (the
+    prompt ended in ``<think>``) a completion cut off before ``</think>`` is all reasoning.
 
     >>> split_reasoning("<think>2+2 is 4</think>\\n\\nIt is 4.")
     Reasoning(reasoning='2+2 is 4', content='It is 4.')
     """
     end = text.find("</think>")
     if end < 0:
+        if opened:
+            return Reasoning(reasoning=text.strip(), content="")
         if text.lstrip().startswith("<think>"):  # cut off while still thinking
             return Reasoning(reasoning=text.lstrip()[len("<think>") :].strip(), content="")
         return Reasoning(reasoning=None, content=text)

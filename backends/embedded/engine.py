@@ -56,6 +56,10 @@ class EngineInputError(ValueError):
     """A request the engine cannot serve as given (the HTTP server answers 400)."""
 
 
+class EngineClosedError(RuntimeError):
+    """The engine was closed; it serves no more requests."""
+
+
 @dataclass
 class EngineConfig:
     """Sizes of the engine.
@@ -274,10 +278,13 @@ class EmbeddedEngine(InferenceBackend):
         }
 
     async def close(self) -> None:
-        if self._thread is None or self._stopping:
-            return
-        self._stopping = True
-        self._inbox.put(None)
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            if self._thread is None:
+                return
+            self._inbox.put(None)
         await asyncio.to_thread(self._thread.join, 30)
 
     # -- submission (caller's thread) ------------------------------------------------------
@@ -304,10 +311,11 @@ class EmbeddedEngine(InferenceBackend):
             streaming=streaming,
         )
         with self._lock:
+            self._check_open()
             if rid in self._by_rid:
                 raise EngineInputError(f"request id {rid!r} is already in flight")
             self._by_rid[rid] = request
-        self._inbox.put(("submit", request, _ignore))
+            self._inbox.put(("submit", request, _ignore))
         return request
 
     async def _call(self, kind: str, payload: Any) -> Any:
@@ -326,16 +334,25 @@ class EmbeddedEngine(InferenceBackend):
 
             loop.call_soon_threadsafe(settle)
 
-        self._inbox.put((kind, payload, done))
+        with self._lock:
+            # Checked under the lock that close() takes, so nothing is queued behind the
+            # stop marker where no thread would ever read it.
+            self._check_open()
+            self._inbox.put((kind, payload, done))
         return await future
 
     def _command(self, kind: str, payload: Any) -> None:
         if self._thread is not None:
             self._inbox.put((kind, payload, _ignore))
 
+    def _check_open(self) -> None:
+        if self._stopping:
+            raise EngineClosedError("the engine is closed; create a new one to generate again")
+
     def _ensure_thread(self) -> None:
         if self._fatal is not None:
             raise RuntimeError(f"the engine loop died: {self._fatal!r}")
+        self._check_open()
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name="areal-embedded-engine", daemon=True
@@ -508,13 +525,23 @@ class EmbeddedEngine(InferenceBackend):
                 for r in sampled
             ],
             self.runner.device,
+            top_logprobs=max(r.sampling.top_logprobs_num for r in sampled),
         )
-        tokens, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
-        token_list = tokens.tolist()
-        logprob_list = logprobs.tolist()
+        result = sample(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
+        token_list = result.tokens.tolist()
+        logprob_list = result.logprobs.tolist()
+        tops: list[list[tuple[int, float]] | None] = [None] * len(sampled)
+        if result.top_ids is not None and result.top_logprobs is not None:
+            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+            for i, r in enumerate(sampled):
+                k = r.sampling.top_logprobs_num
+                if k > 0:
+                    tops[i] = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
         finished = []
-        for request, token, logprob in zip(sampled, token_list, logprob_list, strict=True):
-            request.append(token, logprob, version, self.tokenizer)
+        for request, token, logprob, top in zip(
+            sampled, token_list, logprob_list, tops, strict=True
+        ):
+            request.append(token, logprob, version, self.tokenizer, top)
             if request.finish_reason is not None:
                 finished.append(request)
         for request in finished:

@@ -7,17 +7,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_sdk.inference import FinishReason, GenerateOutput, SamplingParams
+from areal_sdk.inference import FinishReason, GenerateChunk, GenerateOutput, SamplingParams
+
+TopLogprobs = list[tuple[int, float]]
 
 
 @dataclass
-class StreamChunk:
+class StreamChunk(GenerateChunk):
     """Tokens a request produced in one step; ``output`` is set on the last chunk."""
 
-    ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    output: GenerateOutput | None = None
     error: BaseException | None = None
 
 
@@ -37,6 +35,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # Only filled when sampling.top_logprobs_num > 0.
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     slot: int | None = None
     # Tokens of prompt_ids + output_ids whose keys/values are in the slot's cache.
     num_computed: int = 0
@@ -60,11 +60,20 @@ class Request:
         """Tokens still to feed before the next token can be sampled."""
         return self.seq_len - self.num_computed
 
-    def append(self, token: int, logprob: float, version: int, tokenizer: Any) -> None:
+    def append(
+        self,
+        token: int,
+        logprob: float,
+        version: int,
+        tokenizer: Any,
+        top: TopLogprobs | None = None,
+    ) -> None:
         """Record a sampled token and decide whether the request is done."""
         self.output_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if top is not None:
+            self.top_logprobs.append(top)
         self.num_computed = self.seq_len - 1
         s = self.sampling
         if token in s.stop_token_ids or (not s.ignore_eos and token in self.stop_ids):
@@ -91,10 +100,12 @@ class Request:
         """The tokens produced since the last chunk, with the final output when finished."""
         start = self.pending_from
         self.pending_from = len(self.output_ids)
+        wants_top = self.sampling.top_logprobs_num > 0
         chunk = StreamChunk(
             ids=self.output_ids[start:],
             logprobs=self.logprobs[start:],
             versions=self.versions[start:],
+            top_logprobs=self.top_logprobs[start:] if wants_top else None,
         )
         if self.finish_reason is not None:
             chunk.output = GenerateOutput(
@@ -105,6 +116,7 @@ class Request:
                 matched_stop=self.matched_stop,
                 prompt_tokens=len(self.prompt_ids),
                 request_id=self.rid,
+                top_logprobs=list(self.top_logprobs) if wants_top else None,
                 meta={
                     "retractions": self.retractions,
                     "e2e_latency": time.monotonic() - self.created,

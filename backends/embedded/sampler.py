@@ -5,6 +5,10 @@ Logprobs. For a row with temperature ``T > 0`` the returned logprob of the sampl
 ``log_softmax(logits)[token]``. That is the distribution a trainer computes from the same
 logits, so behaviour and proximal logprobs agree.
 
+Top logprobs. Asked for (``top_logprobs_num`` k > 0 in some row), the k largest entries of
+the same distribution come back per row, best first; rows that asked for fewer keep a prefix.
+Nothing extra is computed when no row asks.
+
 Truncation. top_k, top_p and min_p only choose which tokens may be *sampled*; the returned
 logprob is taken from the untruncated, temperature-scaled distribution above (SGLang does the
 same). When truncation is active, the exact probability the sampler used is that value
@@ -42,14 +46,18 @@ class SamplingBatch:
     all_seeded: bool
     all_greedy: bool
     any_truncation: bool
+    # The largest top_logprobs_num of any row; 0: none asked.
+    top_logprobs: int = 0
 
     @classmethod
     def build(
         cls,
         rows: list[tuple[float, int, float, float, int | None, int]],
         device: torch.device,
+        top_logprobs: int = 0,
     ) -> SamplingBatch:
-        """``rows`` are ``(temperature, top_k, top_p, min_p, seed or None, step)`` tuples."""
+        """``rows`` are ``(temperature, top_k, top_p, min_p, seed or None, step)`` tuples;
+        ``top_logprobs`` is the largest number of top logprobs any row wants."""
         t, k, p, mp, raw_seeds, st = zip(*rows, strict=True)
         flags = [x is not None for x in raw_seeds]
         s = [x & 0x7FFFFFFF if x is not None else 0 for x in raw_seeds]
@@ -67,6 +75,7 @@ class SamplingBatch:
             any_truncation=any(kk > 0 for kk in k)
             or any(x < 1.0 for x in p)
             or any(x > 0 for x in mp),
+            top_logprobs=top_logprobs,
         )
 
 
@@ -88,18 +97,30 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Te
     return -torch.log(-torch.log(u))
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of float32 ``logits [R, V]``; return (tokens, logprobs)."""
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [R] long
+    logprobs: torch.Tensor  # [R] float: the sampled tokens' logprobs
+    # [R, k] each, best first; None unless some row asked for top logprobs.
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
+    """Sample one token per row of float32 ``logits [R, V]``."""
     greedy = params.temperature <= 0
     scale = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     logprobs = torch.log_softmax(logits / scale.view(-1, 1), dim=-1)
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)
-        return tokens, logprobs.gather(1, tokens.view(-1, 1)).view(-1)
-    scores = _truncate(logprobs, params)
-    noisy = scores + _noise(params, logits)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
-    return tokens, logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+    else:
+        noisy = _truncate(logprobs, params) + _noise(params, logits)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+    result = SampleResult(tokens, logprobs.gather(1, tokens.view(-1, 1)).view(-1))
+    if params.top_logprobs > 0:
+        k = min(params.top_logprobs, logprobs.shape[-1])
+        result.top_logprobs, result.top_ids = logprobs.topk(k, dim=-1)
+    return result
 
 
 def _noise(params: SamplingBatch, logits: torch.Tensor) -> torch.Tensor:

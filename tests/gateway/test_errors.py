@@ -85,7 +85,7 @@ def test_unsupported_parameters_are_named(gateway):
     for kwargs, param in [
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:

@@ -194,3 +194,63 @@ async def test_leaving_a_stream_early_aborts_the_request(engine: EmbeddedEngine)
     # The rid is free again.
     out = await engine.generate([1, 2], SamplingParams(max_new_tokens=2), request_id="gone")
     assert out.request_id == "gone"
+
+
+async def test_top_logprobs_come_from_the_sampled_tokens_distribution(
+    engine: EmbeddedEngine, reference_model
+) -> None:
+    prompt = prompts(engine, 3)[2]
+    for temperature in (0.0, 0.7):
+        sampling = SamplingParams(
+            max_new_tokens=6, temperature=temperature, seed=3, ignore_eos=True, top_logprobs_num=4
+        )
+        out = await engine.generate(prompt, sampling)
+        assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.output_ids)
+        ids = torch.tensor([prompt + out.output_ids])
+        with torch.no_grad():
+            logits = reference_model(ids).logits[0].float()
+        lp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        for i, top in enumerate(out.top_logprobs):
+            ref_lp, ref_ids = lp[len(prompt) - 1 + i].topk(4)
+            assert [t for t, _ in top] == ref_ids.tolist()
+            assert [v for _, v in top] == pytest.approx(ref_lp.tolist(), abs=1e-4)
+            if temperature == 0.0:  # greedy: the sampled token is the best one
+                assert top[0] == (out.output_ids[i], pytest.approx(out.logprobs[i], abs=1e-6))
+
+
+async def test_top_logprobs_only_when_asked_and_per_request(engine: EmbeddedEngine) -> None:
+    prompt = prompts(engine, 2)[1]
+    plain, two, five = await asyncio.gather(
+        engine.generate(prompt, GREEDY),
+        engine.generate(prompt, GREEDY.model_copy(update={"top_logprobs_num": 2})),
+        engine.generate(prompt, GREEDY.model_copy(update={"top_logprobs_num": 5})),
+    )
+    assert plain.top_logprobs is None
+    assert two.top_logprobs is not None and five.top_logprobs is not None
+    assert {len(t) for t in two.top_logprobs} == {2} and {len(t) for t in five.top_logprobs} == {5}
+    flat = [pair for top in two.top_logprobs for pair in top]
+    assert [pair for top in five.top_logprobs for pair in top[:2]] == [
+        (t, pytest.approx(v, abs=1e-4)) for t, v in flat
+    ]
+    chunks = [
+        c async for c in engine.stream(prompt, GREEDY.model_copy(update={"top_logprobs_num": 2}))
+    ]
+    streamed = [pair for c in chunks for top in c.top_logprobs or [] for pair in top]
+    assert streamed == [(t, pytest.approx(v, abs=1e-4)) for t, v in flat]
+
+
+async def test_generate_after_close_raises(tiny_model_dir) -> None:
+    from areal_sdk.backends.embedded.engine import EngineClosedError
+
+    eng = make_engine(tiny_model_dir)
+    assert len((await eng.generate([1, 2], GREEDY)).output_ids) == 8
+    await eng.close()
+    await eng.close()  # twice is fine
+    with pytest.raises(EngineClosedError, match="closed"):
+        await asyncio.wait_for(eng.generate([1, 2], GREEDY), 5)
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(eng.pause(), 5)
+    never_started = make_engine(tiny_model_dir)
+    await never_started.close()
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(never_started.generate([1, 2], GREEDY), 5)
