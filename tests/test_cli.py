@@ -45,7 +45,14 @@ def test_plugins_disable_env(monkeypatch):
 def test_config_show_resolves_defaults_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rollout:\n  group_size: 2\n")
-    out = cli("config", "show", str(path), "rollout.group_size=6", "rollout.batch_size=12", "train.lr=2e-6").stdout
+    out = cli(
+        "config",
+        "show",
+        str(path),
+        "rollout.group_size=6",
+        "rollout.batch_size=12",
+        "train.lr=2e-6",
+    ).stdout
     assert "group_size: 6" in out and "lr: 2.0e-06" in out and "max_staleness: 1" in out
     shown = json.loads(cli("config", "show", str(path), "--json").stdout)
     assert shown["rollout"]["group_size"] == 2
