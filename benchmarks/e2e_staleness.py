@@ -1,0 +1,213 @@
+"""End to end: the same workload trained with ``rollout.max_staleness`` 0 (synchronous), 2, 4.
+
+One process runs what ``areal-sdk train`` runs (embedded engine, gateway, an OpenAI-SDK agent,
+torch trainer, in-process weight pushes) on one device. The model is Qwen2-0.5B-shaped (24
+layers, hidden 896, MLP 4864, 14 heads / 2 KV heads) with random weights and the test
+tokenizer (512 tokens, so the body, not the vocabulary, is the cost). Each task asks for a
+different number of new tokens (``--min-tokens`` to ``--max-tokens``, long-tailed), which is
+what makes waiting for the slowest generation expensive in synchronous RL. The reward is the
+share of digits in the reply, something a random model can learn.
+
+Reports per setting: wall seconds per step after the first ``--warmup`` steps, training steps
+per hour, mean GPU utilisation (NVML, sampled every 100 ms) and the reward per step.
+
+    python benchmarks/e2e_staleness.py --device cuda --steps 10 --staleness 0,2,4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+AGENT = """
+import areal_sdk as areal
+from openai import AsyncOpenAI
+
+client = AsyncOpenAI()
+
+
+@areal.trace
+async def solve(task):
+    reply = await client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": task["question"]}],
+        max_tokens=task["max_tokens"],
+        temperature=1.0,
+    )
+    text = reply.choices[0].message.content or ""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+"""
+
+
+def build_model(out: Path, layers: int) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(out)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def write_tasks(path: Path, n: int, lo: int, hi: int) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(n):
+            # Long-tailed lengths: most short, a few near the maximum.
+            length = int(lo + (hi - lo) * rng.random() ** 3)
+            f.write(json.dumps({"id": f"t{i}", "question": f"Count to {i}.", "max_tokens": length}))
+            f.write("\n")
+
+
+class GpuSampler:
+    """Mean GPU utilisation over a window, from NVML."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml = pynvml
+        except Exception:
+            self._nvml = None
+
+    def __enter__(self) -> GpuSampler:
+        if self._nvml is not None:
+            threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
+
+
+def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: int) -> dict:
+    from areal_sdk.config import load_config
+    from areal_sdk.training_run import TrainingRun
+
+    run_dir = work / f"run-s{staleness}"
+    overrides = [
+        f"model.path={model}",
+        "agent.entry=bench_agent:solve",
+        f"data.path={work / 'tasks.jsonl'}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.batch_size={args.batch_size}",
+        f"rollout.concurrency={args.concurrency}",
+        f"rollout.max_staleness={staleness}",
+        f"inference.device={args.device}",
+        f"inference.max_new_tokens={args.max_tokens}",
+        f"inference.max_batch_size={args.concurrency}",
+        "inference.max_model_len=1024",
+        f"train.device={args.device}",
+        f"train.bf16={'true' if args.device == 'cuda' else 'false'}",
+        "train.lr=1e-5",
+        f"train.micro_batch_tokens={args.micro_batch_tokens}",
+        "algorithm.decoupled=true",
+        f"run.dir={run_dir}",
+        f"run.steps={args.steps}",
+        "run.metric_sinks=[jsonl]",
+        "eval.before=false",
+        "eval.after=false",
+    ]
+    cfg = load_config(None, overrides)
+    stamps: list[float] = []
+    rewards: list[float] = []
+
+    def on_step(report) -> None:  # type: ignore[no-untyped-def]
+        stamps.append(time.perf_counter())
+        rewards.append(report.metrics.get("rollout/reward_mean", float("nan")))
+
+    run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=lambda m: None)
+    start = time.perf_counter()
+    with GpuSampler() as gpu:
+        result = asyncio.run(run.run())
+    measured = stamps[args.warmup :]
+    per_step = (measured[-1] - measured[0]) / (len(measured) - 1) if len(measured) > 1 else None
+    return {
+        "max_staleness": staleness,
+        "steps": result.steps,
+        "wall_s": time.perf_counter() - start,
+        "s_per_step": per_step,
+        "steps_per_hour": 3600 / per_step if per_step else None,
+        "gpu_util_mean": gpu.mean,
+        "reward_per_step": rewards,
+        "reward_last3": statistics.fmean(rewards[-3:]) if len(rewards) >= 3 else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--staleness", default="0,2,4")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--min-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="e2e-"))
+    (work / "bench_agent.py").write_text(AGENT)
+    write_tasks(work / "tasks.jsonl", 512, args.min_tokens, args.max_tokens)
+    model = build_model(work / "model", args.layers)
+    results = []
+    for s in (int(x) for x in args.staleness.split(",")):
+        try:
+            row = run_setting(work, model, args, s)
+        except Exception as exc:  # one setting failing must not hide the others
+            row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    base = next((r for r in results if r.get("max_staleness") == 0 and r.get("s_per_step")), None)
+    for r in results:
+        if base and r.get("s_per_step"):
+            r["speedup_vs_sync"] = base["s_per_step"] / r["s_per_step"]
+    summary = {"args": vars(args) | {"json": str(args.json)}, "results": results}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Training tokens/s and MFU of the torch train backend against a plain torch AdamW loop, and
+weight-push latency into the embedded engine, on one device.
+
+Model: Qwen2-0.5B-shaped (real vocabulary of 151,936, 24 layers, hidden 896), random weights,
+bf16 autocast over fp32 master weights, gradient checkpointing, ``--seq-len`` tokens per
+sequence. The backend runs the full GRPO step the trainer runs (proximal forward, fused
+logprobs, PPO loss); the baseline is ``model(input_ids, labels=...)`` cross-entropy with
+``torch.optim.AdamW(fused=True)``. MFU counts 6 x parameters x tokens (+ attention) per step
+against ``--peak-tflops`` (H200 dense bf16: 989).
+
+    python benchmarks/train_throughput.py --seqs 16 --seq-len 2048 --steps 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def build(out: Path, layers: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny_model import build_tokenizer
+
+    build_tokenizer(out)  # the engine loads one; only the weights are timed
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def flops_per_token(n_params: int, layers: int, hidden: int, seq: int) -> float:
+    # 6N for the matmuls, plus causal attention scores and values (fwd + bwd).
+    return 6 * n_params + 6 * layers * hidden * seq
+
+
+def samples(n: int, seq: int, vocab: int):  # type: ignore[no-untyped-def]
+    from areal_sdk.samples import TrainingSample
+
+    rng = random.Random(0)
+    prompt = seq // 4
+    out = []
+    for i in range(n):
+        ids = [rng.randrange(vocab) for _ in range(seq)]
+        mask = [0] * prompt + [1] * (seq - prompt)
+        out.append(
+            TrainingSample(
+                episode_id=f"e{i}",
+                group_id=f"g{i // 4}",
+                task_id=f"t{i // 4}",
+                turn_ids=[f"u{i}"],
+                input_ids=ids,
+                loss_mask=mask,
+                logprobs=[-2.0] * seq,
+                versions=[0] * seq,
+                reward=float(i % 2),
+            )
+        )
+    return out
+
+
+def time_backend(path: Path, args: argparse.Namespace) -> dict:
+    from areal_sdk.algorithms.advantages import sample_advantages
+    from areal_sdk.algorithms.losses import make_loss_fn
+    from areal_sdk.config import load_config
+    from areal_sdk.packing import pack_samples
+    from areal_sdk.plugin_host import get_host
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={path}",
+            "train.device=cuda",
+            "train.bf16=true",
+            "train.gradient_checkpointing=true",
+            f"train.micro_batch_tokens={args.micro_batch_tokens}",
+            "train.lr=1e-6",
+        ],
+    )
+    backend = get_host().train_backend("torch")(cfg)
+    batch = samples(args.seqs, args.seq_len, 151936)
+    adv = sample_advantages(batch, "grpo")
+    loss_fn = make_loss_fn(cfg.algorithm, current_version=0)
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        (mbs,) = pack_samples(batch, adv, args.micro_batch_tokens)
+        for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
+            mb.proximal_logprobs = prox
+        backend.train_step(mbs, loss_fn)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in backend.model.parameters())
+    return {
+        "what": "torch backend GRPO step (proximal fwd + fwd/bwd + AdamW)",
+        "step_s": times,
+        "params": n_params,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "backend": backend,
+        "cfg": cfg,
+    }
+
+
+def time_plain(path: Path, args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    per_mb = max(1, args.micro_batch_tokens // args.seq_len)
+    ids = torch.randint(0, 151936, (args.seqs, args.seq_len), device="cuda")
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for chunk in ids.split(per_mb):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=chunk, labels=chunk).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out = {
+        "what": "plain loop: HF causal-LM loss, AdamW(fused), autocast bf16, grad ckpt",
+        "step_s": times,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def time_pushes(path: Path, backend, cfg, repeats: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    from areal_sdk.backends.embedded.engine import EmbeddedEngine
+    from areal_sdk.backends.weight_sync import make_weight_sync
+
+    engine = EmbeddedEngine.from_pretrained(str(path), device="cuda", dtype="bfloat16")
+    rows = []
+
+    async def go() -> None:
+        for method in ("in_process", "disk"):
+            extra = {"directory": str(path.parent / "weights")} if method == "disk" else {}
+            sync = make_weight_sync(method, cfg, engine=engine, **extra)
+            times = []
+            for v in range(repeats):
+                t0 = time.perf_counter()
+                await sync.push(backend.state_for_sync(256 << 20), 100 + v + len(rows) * 10)
+                times.append(time.perf_counter() - t0)
+            rows.append({"method": method, "push_s": times, "version": engine.version})
+        await engine.close()
+
+    asyncio.run(go())
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--pushes", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    path = build(Path(tempfile.mkdtemp(prefix="train-bench-")) / "model", args.layers)
+    tokens = args.seqs * args.seq_len
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_step": tokens}
+    plain = time_plain(path, args)
+    ours = time_backend(path, args)
+    backend, cfg = ours.pop("backend"), ours.pop("cfg")
+    fpt = flops_per_token(ours["params"], args.layers, 896, args.seq_len)
+    for name, row in (("plain", plain), ("backend", ours)):
+        best = min(row["step_s"][1:] or row["step_s"])
+        row["tokens_per_s"] = tokens / best
+        row["mfu"] = row["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)
+        report[name] = row
+        print(json.dumps({name: row}), flush=True)
+    try:
+        report["weight_push"] = time_pushes(path, backend, cfg, args.pushes)
+    except Exception as exc:
+        report["weight_push"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(report, indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
