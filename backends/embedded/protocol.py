@@ -141,8 +141,8 @@ def split_request(req: GenerateRequest) -> tuple[list[OneRequest], bool]:
     logprob = _as_list(req.return_logprob, n, "return_logprob")
     start = _as_list(req.logprob_start_len, n, "logprob_start_len")
     top = _as_list(req.top_logprobs_num, n, "top_logprobs_num")
-    if any(t for t in top):
-        raise ProtocolError("top_logprobs_num is not supported by the embedded engine (use 0)")
+    if any(not 0 <= int(t) <= 20 for t in top):
+        raise ProtocolError("top_logprobs_num must be between 0 and 20")
     if isinstance(req.rid, list) and not batched:
         raise ProtocolError("rid is a list but the request has one prompt")
     rids = _as_list(req.rid, n, "rid") if req.rid is not None else [None] * n
@@ -152,7 +152,7 @@ def split_request(req: GenerateRequest) -> tuple[list[OneRequest], bool]:
     for i in range(n):
         params, options = parse_sampling(sampling[i])
         copies = params.n
-        one = params.model_copy(update={"n": 1})
+        one = params.model_copy(update={"n": 1, "top_logprobs_num": int(top[i])})
         for j in range(copies):
             seed = None if one.seed is None else one.seed + j
             rid = rids[i] if copies == 1 or rids[i] is None else f"{rids[i]}-{j}"

@@ -209,6 +209,11 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             meta["output_token_logprobs"] = [
                 [lp, t, show(t)] for lp, t in zip(chunk_lps, chunk_ids, strict=True)
             ]
+            tops = out.top_logprobs if out is not None else None
+            if tops is not None and len(tops) == len(chunk_ids):
+                meta["output_top_logprobs"] = [
+                    [[lp, t, show(t)] for t, lp in position] for position in tops
+                ]
             if input_lps is not None:
                 begin = max(one.logprob_start_len, 0)
                 meta["input_token_logprobs"] = [

@@ -45,6 +45,23 @@ async def test_generate_input_ids_with_logprobs(client: httpx.AsyncClient, serve
     assert [item[0] for item in lps] == pytest.approx(direct.logprobs, abs=1e-5)
 
 
+async def test_generate_top_logprobs_in_sglang_shape(client: httpx.AsyncClient, server) -> None:
+    _, engine = server
+    ids = chat_prompt(engine.tokenizer, "What is 2 + 3?")
+    body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
+    r = await client.post("/generate", json={**body, "top_logprobs_num": 3})
+    assert r.status_code == 200
+    meta = r.json()["meta_info"]
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == len(meta["output_token_logprobs"])
+    for (lp, token, _), top in zip(meta["output_token_logprobs"], tops, strict=True):
+        assert len(top) == 3
+        assert [row[0] for row in top] == sorted((row[0] for row in top), reverse=True)
+        assert top[0][1] == token and top[0][0] == pytest.approx(lp, abs=1e-5)  # greedy
+    r = await client.post("/generate", json={**body, "top_logprobs_num": 21})
+    assert r.status_code == 400 and "top_logprobs_num" in r.json()["error"]["message"]
+
+
 def engine_sampling(params: dict):
     from areal_sdk.backends.embedded.protocol import parse_sampling
 

@@ -62,6 +62,18 @@ async def test_generate_returns_the_engines_tokens_logprobs_and_versions(
     )
 
 
+async def test_top_logprobs_travel_through_the_sglang_protocol(backend: SGLangBackend) -> None:
+    out = await backend.generate(
+        PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0, top_logprobs_num=4)
+    )
+    assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.output_ids)
+    for (token, logprob), top in zip(
+        zip(out.output_ids, out.logprobs, strict=True), out.top_logprobs, strict=True
+    ):
+        assert len(top) == 4 and top[0][0] == token  # greedy: the sampled token is the argmax
+        assert top[0][1] == pytest.approx(logprob, abs=1e-5)
+
+
 async def test_an_episode_sticks_to_its_server_and_episodes_spread(
     backend: SGLangBackend,
 ) -> None:
