@@ -125,7 +125,11 @@ def test_langchain_through_the_real_gateway(stack):
             reply = await model.ainvoke(task["question"])
         return 1.0 if isinstance(reply.content, str) else 0.0
 
-    _assert_turns(_run(stack, agent, run_id="langchain"), "openai.chat")
+    summary = _run(stack, agent, run_id="langchain")
+    _assert_turns(summary, "openai.chat")
+    # The callback's structure reaches the stored turn through the gateway, per episode.
+    run_ids = {e.turns[0].metadata["langchain"]["run_id"] for e in summary.episodes}
+    assert len(run_ids) == 8
 
 
 @_needs("agents")
@@ -145,7 +149,10 @@ def test_openai_agents_through_the_real_gateway(stack):
             return 0.0
         return 1.0 if isinstance(result.final_output, str) else 0.0
 
-    _assert_turns(_run(stack, agent, run_id="agents"), "openai.responses")
+    summary = _run(stack, agent, run_id="agents")
+    _assert_turns(summary, "openai.responses")
+    for episode in summary.episodes:
+        assert "Helper" in str(episode.turns[0].metadata["openai_agents"])
 
 
 @_needs("camel")
