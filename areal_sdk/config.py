@@ -141,6 +141,9 @@ class TrainConfig(Section):
     bf16: bool = Field(False, description="torch: autocast; deepspeed: bf16 weights, fp32 master")
     attn_implementation: str = Field("sdpa", description="sdpa | eager | flash_attention_2")
     logprob_chunk_size: int = Field(1024, ge=1, description="rows per vocab-projection chunk")
+    logprob_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="token logprobs: auto (Triton on CUDA, else torch), torch, triton"
+    )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="DeepSpeed JSON config merged over the generated one"
     )

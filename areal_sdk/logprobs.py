@@ -11,8 +11,9 @@ vocabulary is 9.7 GB per copy. Here the logits exist one chunk of rows at a time
 - ``backend="triton"``: ``areal_sdk.kernels.fused_logprobs``; forward is one fused kernel
   (matmul tiles + online log-sum-exp, no logits in memory at all), backward a fused
   matmul + gradient kernel per chunk.
-- ``backend="auto"``: torch. The Triton kernel bounds memory the same way but, untuned,
-  is several times slower than the chunked cuBLAS path at a 152k vocabulary on an H200.
+- ``backend="auto"``: triton when it is installed and the tensors are on CUDA, else torch.
+  Give it bf16 inputs: in float32 the kernel is several times slower than cuBLAS
+  (benchmarks/README.md, "Training throughput").
 
 The softmax side is float32 in both. The torch path rounds the logits to the input dtype
 first, as the model's own lm_head would; the Triton kernel keeps its float32 accumulators.
@@ -177,9 +178,7 @@ def token_logprobs_and_entropy(
         )
     if backend == "triton" and not _triton_usable(hidden):
         raise ValueError("backend='triton' needs the triton package and CUDA tensors")
-    # ``auto`` is the chunked torch path everywhere: on an H200 with a 152k vocabulary its
-    # cuBLAS matmuls beat the Triton kernel's (benchmarks/README.md, "Training throughput").
-    if backend == "triton":
+    if backend == "triton" or (backend == "auto" and _triton_usable(hidden)):
         from areal_sdk.kernels.fused_logprobs import fused_logprobs_and_entropy
 
         logprobs, entropy = fused_logprobs_and_entropy(

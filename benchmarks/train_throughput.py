@@ -79,7 +79,7 @@ def samples(n: int, seq: int, vocab: int):  # type: ignore[no-untyped-def]
     return out
 
 
-def time_backend(path: Path, args: argparse.Namespace) -> dict:
+def time_backend(path: Path, args: argparse.Namespace, logprob_backend: str = "auto") -> dict:
     from areal_sdk.algorithms.advantages import sample_advantages
     from areal_sdk.algorithms.losses import make_loss_fn
     from areal_sdk.config import load_config
@@ -95,6 +95,7 @@ def time_backend(path: Path, args: argparse.Namespace) -> dict:
             "train.gradient_checkpointing=true",
             f"train.micro_batch_tokens={args.micro_batch_tokens}",
             "train.lr=1e-6",
+            f"train.logprob_backend={logprob_backend}",
         ],
     )
     backend = get_host().train_backend("torch")(cfg)
@@ -114,7 +115,7 @@ def time_backend(path: Path, args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in backend.model.parameters())
     return {
-        "what": "torch backend GRPO step (proximal fwd + fwd/bwd + AdamW)",
+        "what": f"torch backend GRPO step (proximal fwd + fwd/bwd + AdamW), {logprob_backend} logprobs",
         "step_s": times,
         "params": n_params,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -187,16 +188,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--pushes", type=int, default=3)
+    parser.add_argument("--logprob-backends", default="auto", help="e.g. torch,triton")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     path = build(Path(tempfile.mkdtemp(prefix="train-bench-")) / "model", args.layers)
     tokens = args.seqs * args.seq_len
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_step": tokens}
-    plain = time_plain(path, args)
-    ours = time_backend(path, args)
-    backend, cfg = ours.pop("backend"), ours.pop("cfg")
-    fpt = flops_per_token(ours["params"], args.layers, 896, args.seq_len)
-    for name, row in (("plain", plain), ("backend", ours)):
+    rows = {"plain": time_plain(path, args)}
+    backend = cfg = None
+    for name in args.logprob_backends.split(","):
+        if backend is not None:
+            backend.close()
+            del backend
+            torch.cuda.empty_cache()
+        row = time_backend(path, args, name)
+        backend, cfg = row.pop("backend"), row.pop("cfg")
+        rows[f"backend_{name}"] = row
+    fpt = flops_per_token(rows[f"backend_{name}"]["params"], args.layers, 896, args.seq_len)
+    for name, row in rows.items():
         best = min(row["step_s"][1:] or row["step_s"])
         row["tokens_per_s"] = tokens / best
         row["mfu"] = row["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)

@@ -136,6 +136,7 @@ class DeepSpeedBackend(TrainBackend):
             gradient_checkpointing=self.cfg.gradient_checkpointing,
             temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size,
+            logprob_backend=self.cfg.logprob_backend,
         )
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],

@@ -28,9 +28,10 @@ POLICY_PREFIX = "policy."
 class LogprobHead(nn.Module):
     """The output projection, computing per-token logprobs and entropy of given labels."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, backend: str = "auto") -> None:
         super().__init__()
         self.weight = weight
+        self.backend = backend
 
     def forward(
         self,
@@ -43,9 +44,14 @@ class LogprobHead(nn.Module):
         from areal_sdk.logprobs import token_logprobs_and_entropy
 
         weight = self.weight
-        if weight.dtype != hidden.dtype:
-            # Autocast gives bf16 hidden states over float32 weights; the cast is part of
-            # the graph, so the float32 master weight still gets its gradient.
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):
+            # Under autocast the HF lm_head would run in the autocast dtype; so does this
+            # projection (the residual stream, and so ``hidden``, stays float32). The casts
+            # are part of the graph: the float32 master weight still gets its gradient.
+            dtype = torch.get_autocast_dtype(device)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+        elif weight.dtype != hidden.dtype:
             weight = weight.to(hidden.dtype)
         return token_logprobs_and_entropy(
             hidden,
@@ -54,18 +60,26 @@ class LogprobHead(nn.Module):
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
+            backend=self.backend,
         )
 
 
 class PackedPolicy(nn.Module):
     """An HF causal LM whose forward maps a packed row to aligned token logprobs."""
 
-    def __init__(self, policy: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024):
+    def __init__(
+        self,
+        policy: nn.Module,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        logprob_backend: str = "auto",
+    ):
         super().__init__()
         head = policy.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError("output projections with a bias are not supported")
-        policy.set_output_embeddings(LogprobHead(head.weight))
+        policy.set_output_embeddings(LogprobHead(head.weight, logprob_backend))
         self.policy = policy
         self.temperature = temperature if temperature > 0 else 1.0
         self.chunk_size = chunk_size
@@ -114,6 +128,7 @@ def load_policy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     dtype: torch.dtype = torch.float32,
+    logprob_backend: str = "auto",
 ) -> PackedPolicy:
     """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
     from transformers import AutoModelForCausalLM
@@ -133,7 +148,9 @@ def load_policy(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
-    return PackedPolicy(model, temperature=temperature, chunk_size=chunk_size)
+    return PackedPolicy(
+        model, temperature=temperature, chunk_size=chunk_size, logprob_backend=logprob_backend
+    )
 
 
 def hf_name(name: str) -> str:

@@ -76,6 +76,7 @@ class TorchBackend(TrainBackend):
             gradient_checkpointing=self.cfg.gradient_checkpointing,
             temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size,
+            logprob_backend=self.cfg.logprob_backend,
         ).to(self._device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
