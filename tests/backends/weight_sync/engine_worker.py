@@ -25,3 +25,25 @@ def serve(method: str, model_dir: str, port: int, out: Any, syncs: int, per_buck
         await engine.close()
 
     asyncio.run(run())
+
+
+def serve_then_die(method: str, model_dir: str, port: int, out: Any) -> None:
+    """Take one sync, report it, then die without a goodbye (a crashed engine process)."""
+    import os
+
+    async def run() -> None:
+        from areal_sdk.backends.embedded.engine import EmbeddedEngine
+
+        if method == "broadcast":
+            from areal_sdk.backends.weight_sync.broadcast import BroadcastReceiver as Receiver
+        else:
+            from areal_sdk.backends.weight_sync.cuda_ipc import CudaIpcReceiver as Receiver
+        engine = EmbeddedEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+        receiver = Receiver(engine, port=port, timeout_s=30, apply_per_bucket=False)
+        await receiver.connect()
+        out.put(await receiver.receive_one(idle_timeout_s=60))
+        out.close()
+        out.join_thread()  # flush the report before dying
+        os._exit(1)
+
+    asyncio.run(run())
