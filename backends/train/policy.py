@@ -74,6 +74,7 @@ class PackedPolicy(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         logprob_backend: str = "auto",
+        padded_attention: bool = True,
     ):
         super().__init__()
         head = policy.get_output_embeddings()
@@ -83,6 +84,7 @@ class PackedPolicy(nn.Module):
         self.policy = policy
         self.temperature = temperature if temperature > 0 else 1.0
         self.chunk_size = chunk_size
+        self.padded_attention = padded_attention
 
     def forward(
         self,
@@ -95,12 +97,7 @@ class PackedPolicy(nn.Module):
 
         Each sequence's first token has no prediction inside the row: it gets 0.
         """
-        hidden = self.policy.base_model(
-            input_ids=input_ids[None],
-            position_ids=position_ids[None],
-            attention_mask=None,
-            use_cache=False,
-        ).last_hidden_state[0]
+        hidden = self._hidden_states(input_ids, position_ids, cu_seqlens)
         # Row t-1 predicts token t. The last row (predicting past the end) is computed and
         # dropped, so even a one-token padding micro-batch runs the head and gives every
         # parameter a (zero) gradient: ranks of ZeRO-2/3 must all reduce the same gradients.
@@ -119,6 +116,38 @@ class PackedPolicy(nn.Module):
             entropy = torch.cat([zero, torch.where(keep, ent_rows, 0.0)])
         return logprobs, entropy
 
+    def _hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """Final hidden states ``[N, H]`` of the packed row.
+
+        ``padded_attention`` runs the sequences as a right-padded ``[S, L]`` batch: causal
+        attention never looks at the padding after a sequence, so no mask is needed and SDPA
+        takes its flash path at S x L^2 cost, where one packed row with a block-diagonal mask
+        costs N^2. Otherwise the row runs as is (flash-attention 2 reads ``position_ids``).
+        """
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if not self.padded_attention or lengths.numel() <= 1:
+            return self.policy.base_model(
+                input_ids=input_ids[None],
+                position_ids=position_ids[None],
+                attention_mask=None,
+                use_cache=False,
+            ).last_hidden_state[0]
+        device = input_ids.device
+        lengths = lengths.to(device=device, dtype=torch.long)
+        n_seqs, longest = lengths.numel(), int(lengths.max())
+        row = torch.repeat_interleave(torch.arange(n_seqs, device=device), lengths)
+        col = torch.arange(input_ids.numel(), device=device) - cu_seqlens[:-1].to(device)[row]
+        ids = input_ids.new_zeros((n_seqs, longest))
+        ids[row, col] = input_ids
+        pos = torch.arange(longest, device=device).expand(n_seqs, longest).clone()
+        pos[row, col] = position_ids
+        hidden = self.policy.base_model(
+            input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False
+        ).last_hidden_state
+        return hidden[row, col]
+
 
 def load_policy(
     path: str | Path,
@@ -129,6 +158,7 @@ def load_policy(
     chunk_size: int = 1024,
     dtype: torch.dtype = torch.float32,
     logprob_backend: str = "auto",
+    padded_attention: bool = True,
 ) -> PackedPolicy:
     """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
     from transformers import AutoModelForCausalLM
@@ -149,7 +179,12 @@ def load_policy(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return PackedPolicy(
-        model, temperature=temperature, chunk_size=chunk_size, logprob_backend=logprob_backend
+        model,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        logprob_backend=logprob_backend,
+        # flash-attention 2 separates packed sequences itself, at no padding cost.
+        padded_attention=padded_attention and attn_implementation != "flash_attention_2",
     )
 
 

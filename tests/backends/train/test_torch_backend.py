@@ -139,3 +139,19 @@ def test_the_plugin_registers_both_backends_and_every_sync_method(tiny_model_dir
     config = Config.model_validate({"model": {"path": str(tiny_model_dir)}, "train": {"lr": 1e-3}})
     backend = host.train_backend("torch")(config)
     assert isinstance(backend, TorchBackend) and backend.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_padded_and_packed_attention_agree_forward_and_backward(tiny_model_dir: Path) -> None:
+    """The right-padded batch (flash-able SDPA) and the one packed row with a block-diagonal
+    mask are the same computation."""
+    padded = TorchBackend(tiny_model_dir, train_config())
+    packed = TorchBackend(tiny_model_dir, train_config())
+    packed.model.padded_attention = False
+    batches = micro_batches(10_000)[0]
+    assert batches[0].num_sequences > 1
+    torch.testing.assert_close(
+        padded.forward_logprobs(batches), packed.forward_logprobs(batches), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        run_steps(padded, batches, 2), run_steps(packed, batches, 2), rtol=1e-5, atol=1e-6
+    )
