@@ -141,6 +141,11 @@ class TrainConfig(Section):
     bf16: bool = Field(False, description="torch: autocast; deepspeed: bf16 weights, fp32 master")
     attn_implementation: str = Field("sdpa", description="sdpa | eager | flash_attention_2")
     logprob_chunk_size: int = Field(1024, ge=1, description="rows per vocab-projection chunk")
+    padded_attention: bool = Field(
+        False,
+        description="run a micro-batch's sequences as a right-padded batch instead of one "
+        "packed row with a block-diagonal attention mask (benchmarks/attention_layout.py)",
+    )
     logprob_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="token logprobs: auto (Triton on CUDA, else torch), torch, triton"
     )

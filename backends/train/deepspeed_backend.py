@@ -137,6 +137,7 @@ class DeepSpeedBackend(TrainBackend):
             temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size,
             logprob_backend=self.cfg.logprob_backend,
+            padded_attention=self.cfg.padded_attention,
         )
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],

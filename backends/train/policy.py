@@ -74,7 +74,7 @@ class PackedPolicy(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         logprob_backend: str = "auto",
-        padded_attention: bool = True,
+        padded_attention: bool = False,
     ):
         super().__init__()
         head = policy.get_output_embeddings()
@@ -123,8 +123,9 @@ class PackedPolicy(nn.Module):
 
         ``padded_attention`` runs the sequences as a right-padded ``[S, L]`` batch: causal
         attention never looks at the padding after a sequence, so no mask is needed and SDPA
-        takes its flash path at S x L^2 cost, where one packed row with a block-diagonal mask
-        costs N^2. Otherwise the row runs as is (flash-attention 2 reads ``position_ids``).
+        can take its flash path at S x L^2 cost, where one packed row with a block-diagonal
+        mask costs N^2; the price is the padding's share of every other layer. Otherwise the
+        row runs as is (flash-attention 2 reads ``position_ids`` and separates sequences).
         """
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         if not self.padded_attention or lengths.numel() <= 1:
@@ -158,7 +159,7 @@ def load_policy(
     chunk_size: int = 1024,
     dtype: torch.dtype = torch.float32,
     logprob_backend: str = "auto",
-    padded_attention: bool = True,
+    padded_attention: bool = False,
 ) -> PackedPolicy:
     """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
     from transformers import AutoModelForCausalLM

@@ -77,6 +77,7 @@ class TorchBackend(TrainBackend):
             temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size,
             logprob_backend=self.cfg.logprob_backend,
+            padded_attention=self.cfg.padded_attention,
         ).to(self._device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],

@@ -145,8 +145,8 @@ def test_padded_and_packed_attention_agree_forward_and_backward(tiny_model_dir: 
     """The right-padded batch (flash-able SDPA) and the one packed row with a block-diagonal
     mask are the same computation."""
     padded = TorchBackend(tiny_model_dir, train_config())
+    padded.model.padded_attention = True
     packed = TorchBackend(tiny_model_dir, train_config())
-    packed.model.padded_attention = False
     batches = micro_batches(10_000)[0]
     assert batches[0].num_sequences > 1
     torch.testing.assert_close(
