@@ -12,6 +12,7 @@ Reports per setting: wall seconds per step after the first ``--warmup`` steps, t
 per hour, mean GPU utilisation (NVML, sampled every 100 ms) and the reward per step.
 
     python benchmarks/e2e_staleness.py --device cuda --steps 10 --staleness 0,2,4 --json out.json
+    python benchmarks/e2e_staleness.py --device cuda --engine-process ...   # engine apart
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         "eval.before=false",
         "eval.after=false",
     ]
+    if args.engine_url:
+        # The engine in its own process (`areal-sdk engine`), reached over SGLang's protocol.
+        overrides += [
+            "inference.backend=sglang",
+            f"inference.urls=[{args.engine_url}]",
+            "weights.method=disk",
+            "weights.pause_mode=abort",
+        ]
     cfg = load_config(None, overrides)
     stamps: list[float] = []
     rewards: list[float] = []
@@ -172,6 +181,47 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
     }
 
 
+def start_engine(model: Path, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """``areal-sdk engine`` on a free port; returns (process, url) once /health answers."""
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_sdk",
+            "engine",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--device",
+            args.device,
+            "--max-batch-size",
+            str(args.concurrency),
+        ]
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the engine process exited while starting")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the engine process did not answer /health within 300 s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -186,11 +236,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="serve the engine from `areal-sdk engine` in its own process instead of in process",
+    )
     args = parser.parse_args()
+    args.engine_url = None
     work = Path(tempfile.mkdtemp(prefix="e2e-"))
     (work / "bench_agent.py").write_text(AGENT)
     write_tasks(work / "tasks.jsonl", 512, args.min_tokens, args.max_tokens)
     model = build_model(work / "model", args.layers)
+    engine = None
+    if args.engine_process:
+        engine, args.engine_url = start_engine(model, args)
     results = []
     for s in (int(x) for x in args.staleness.split(",")):
         try:
@@ -199,6 +258,9 @@ def main() -> None:
             row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(row), flush=True)
         results.append(row)
+    if engine is not None:
+        engine.terminate()
+        engine.wait(30)
     base = next((r for r in results if r.get("max_staleness") == 0 and r.get("s_per_step")), None)
     for r in results:
         if base and r.get("s_per_step"):
