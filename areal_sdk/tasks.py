@@ -77,5 +77,27 @@ def load_agent(
     return fn
 
 
+def check_agent_entry(entry: str, *, search_path: Path | Sequence[Path] | None = None) -> None:
+    """Fail fast, without importing it, when ``entry``'s module cannot be found."""
+    import importlib.util
+
+    module_name, _, attr = entry.partition(":")
+    if not module_name or not attr:
+        raise TaskError(f"agent.entry must look like 'package.module:function', got {entry!r}")
+    paths = [search_path] if isinstance(search_path, Path) else list(search_path or [])
+    for path in reversed(paths):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        found = False
+    if not found:
+        where = ", ".join(str(p) for p in paths) or "sys.path"
+        raise TaskError(
+            f"cannot find agent module {module_name!r} (looked in {where} and sys.path)"
+        )
+
+
 def is_async_agent(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn)

@@ -32,7 +32,7 @@ from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.rollout import RolloutController
 from areal_sdk.store import STORE_FILENAME, TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
-from areal_sdk.tasks import load_agent, load_tasks
+from areal_sdk.tasks import check_agent_entry, load_agent, load_tasks
 from areal_sdk.train_backend import TrainBackend
 from areal_sdk.trainer import AsyncTrainer, Group, StepReport, TrainingError
 
@@ -150,8 +150,11 @@ class TrainingRun:
                 f"{self.run_dir} already holds a run: pass --resume to continue it, or set "
                 "run.dir to a new directory"
             )
-        if resume and self.checkpoints.latest() is None:
-            raise RunError(f"--resume: {self.run_dir} has no checkpoint to resume from")
+        if resume and not self.store_path.exists() and self.checkpoints.latest() is None:
+            raise RunError(
+                f"--resume: {self.run_dir} has no run to resume (no checkpoint, no store)"
+            )
+        check_agent_entry(cfg.agent.entry, search_path=[config_dir, Path.cwd()])
         self.tasks = load_tasks(
             cfg.data.path,
             id_field=cfg.data.id_field,
@@ -212,17 +215,19 @@ class TrainingRun:
         )
         leftovers: list[Group] = []
         if self.resume:
+            # From the newest checkpoint, or from the start when the run died before its first.
             latest = self.checkpoints.latest()
-            assert latest is not None
-            await asyncio.to_thread(backend.load, latest.path)
-            released = store.release_consumed_from(latest.step)
+            if latest is not None:
+                await asyncio.to_thread(backend.load, latest.path)
+            start = latest.step if latest is not None else 0
+            released = store.release_consumed_from(start)
             leftovers = _leftover_groups(
                 store, oldest_version=backend.version - cfg.rollout.max_staleness
             )
-            result.resumed_from = latest.step
+            result.resumed_from = start
             result.refed_episodes = sum(len(g.episodes) for g in leftovers)
             self.on_event(
-                f"resumed from step {latest.step}: {released} episodes of lost steps released, "
+                f"resumed from step {start}: {released} episodes of lost steps released, "
                 f"{result.refed_episodes} accepted episodes queued to train first"
             )
         self.on_event("starting the engine and the gateway")

@@ -68,3 +68,10 @@ def test_ctrl_c_stops_everything_and_says_how_to_continue(run_config):
     out, _ = proc.communicate(timeout=60)  # engine, gateway and threads all stopped
     assert proc.returncode == 130, out
     assert "--resume" in out
+
+
+def test_train_names_a_missing_agent_module_before_loading_anything(run_config):
+    done = cli("train", run_config(), "agent.entry=no_such_agent:solve")
+    assert done.returncode == 2
+    assert "cannot find agent module 'no_such_agent'" in done.stderr
+    assert "starting the engine" not in done.stdout

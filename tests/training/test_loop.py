@@ -70,8 +70,19 @@ def test_a_second_run_in_the_same_dir_needs_resume(run_config):
 
 
 def test_resume_without_a_checkpoint_is_refused(run_config):
-    with pytest.raises(RunError, match="no checkpoint"):
+    with pytest.raises(RunError, match="no run to resume"):
         _run(run_config(), resume=True)
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_resumes_from_the_start(run_config):
+    path = run_config(run={"steps": 2})
+    _, first = _run(path, "run.steps=0", "eval.after=false")  # evaluated, never trained
+    assert first.steps == 0 and first.before is not None
+    with pytest.raises(RunError, match="--resume"):
+        _run(path)
+    cfg, result = _run(path, resume=True)
+    assert result.resumed_from == 0 and result.steps == 2
+    assert Counter(step for _, step in _consumed(cfg)[1]) == {0: 4, 1: 4}
 
 
 def test_the_engine_dying_mid_run_is_restarted_with_the_latest_weights(run_config):
