@@ -118,3 +118,23 @@ def cfg_dir(cfg):
     from pathlib import Path
 
     return Path(cfg.data.path).parent
+
+
+def test_dynamic_filtering_trains_only_groups_whose_rewards_differ(run_config):
+    cfg, result = _run(
+        run_config(algorithm={"dynamic_filter": True}, eval={"before": False, "after": False})
+    )
+    assert result.steps == 3
+    _, consumed = _consumed(cfg)
+    groups: dict[str, set[float]] = {}
+    for episode, _step in consumed:
+        groups.setdefault(episode.group_id, set()).add(episode.reward)
+    assert len(groups) == 3 * 2 and all(len(rewards) > 1 for rewards in groups.values())
+    logged = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    dropped = sum(m["rollout/dropped_flat_groups"] for m in logged)
+    # A dropped group stays in the store, whole, flat and untrained.
+    untrained: dict[str, list[float]] = {}
+    for e in TrajectoryStore(cfg.run.dir).query(run_id="train", consumed=False):
+        untrained.setdefault(e.group_id, []).append(e.reward)
+    flat = [g for g, rewards in untrained.items() if len(rewards) == 2 and len(set(rewards)) == 1]
+    assert dropped <= len(flat)
