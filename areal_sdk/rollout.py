@@ -18,10 +18,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_sdk.tracing import EpisodeContext, RolloutScope, rollout_scope
 from areal_sdk.trajectory import Episode, EpisodeStatus
+
+if TYPE_CHECKING:
+    from areal_sdk.config import Config
+    from areal_sdk.plugin_host import PluginHost
 
 
 class SessionClient(Protocol):
@@ -165,6 +169,31 @@ class RolloutController:
         # only cpu_count + 4 workers, which would cap concurrency far below the setting.
         self._pool: ThreadPoolExecutor | None = None
         self._concurrency = concurrency
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        agent: Callable[..., Any],
+        sessions: SessionClient,
+        *,
+        host: PluginHost,
+        group_size: int | None = None,
+        agent_kwargs: dict[str, Any] | None = None,
+    ) -> RolloutController:
+        """The controller the ``rollout`` section describes, with ``agent.reward`` looked up
+        in ``host``; ``group_size`` and ``agent_kwargs`` default to the config's."""
+        reward = host.reward_function(cfg.agent.reward) if cfg.agent.reward else None
+        return cls(
+            agent,
+            sessions,
+            group_size=cfg.rollout.group_size if group_size is None else group_size,
+            concurrency=cfg.rollout.concurrency,
+            timeout_s=cfg.rollout.timeout_s,
+            retries=cfg.rollout.retries,
+            reward_fn=reward,
+            agent_kwargs=dict(cfg.agent.kwargs) if agent_kwargs is None else agent_kwargs,
+        )
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:

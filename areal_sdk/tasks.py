@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import random
@@ -51,11 +52,11 @@ def load_tasks(
     return tasks[:limit] if limit else tasks
 
 
-def load_agent(
-    entry: str, *, search_path: Path | Sequence[Path] | None = None
-) -> Callable[..., Any]:
-    """Import ``package.module:function``, looking in ``search_path`` (a directory or several,
-    first wins) before ``sys.path``. An undecorated function is traced for the user."""
+SearchPath = Path | Sequence[Path] | None
+
+
+def _resolve_entry(entry: str, search_path: SearchPath) -> tuple[str, str, list[Path]]:
+    """``entry`` split into (module, attribute), with ``search_path`` put first on sys.path."""
     module_name, _, attr = entry.partition(":")
     if not module_name or not attr:
         raise TaskError(f"agent.entry must look like 'package.module:function', got {entry!r}")
@@ -63,6 +64,13 @@ def load_agent(
     for path in reversed(paths):
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
+    return module_name, attr, paths
+
+
+def load_agent(entry: str, *, search_path: SearchPath = None) -> Callable[..., Any]:
+    """Import ``package.module:function``, looking in ``search_path`` (a directory or several,
+    first wins) before ``sys.path``. An undecorated function is traced for the user."""
+    module_name, attr, _ = _resolve_entry(entry, search_path)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -77,17 +85,9 @@ def load_agent(
     return fn
 
 
-def check_agent_entry(entry: str, *, search_path: Path | Sequence[Path] | None = None) -> None:
+def check_agent_entry(entry: str, *, search_path: SearchPath = None) -> None:
     """Fail fast, without importing it, when ``entry``'s module cannot be found."""
-    import importlib.util
-
-    module_name, _, attr = entry.partition(":")
-    if not module_name or not attr:
-        raise TaskError(f"agent.entry must look like 'package.module:function', got {entry!r}")
-    paths = [search_path] if isinstance(search_path, Path) else list(search_path or [])
-    for path in reversed(paths):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
+    module_name, _, paths = _resolve_entry(entry, search_path)
     try:
         found = importlib.util.find_spec(module_name) is not None
     except ModuleNotFoundError:  # a missing parent package

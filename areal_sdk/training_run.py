@@ -177,15 +177,12 @@ class TrainingRun:
         group_size: int,
         agent_kwargs: dict[str, Any],
     ) -> RolloutController:
-        reward = self.host.reward_function(self.cfg.agent.reward) if self.cfg.agent.reward else None
-        return RolloutController(
+        return RolloutController.from_config(
+            self.cfg,
             agent,
             stack.sessions(run_id),
+            host=self.host,
             group_size=group_size,
-            concurrency=self.cfg.rollout.concurrency,
-            timeout_s=self.cfg.rollout.timeout_s,
-            retries=self.cfg.rollout.retries,
-            reward_fn=reward,
             agent_kwargs=agent_kwargs,
         )
 

@@ -40,18 +40,8 @@ async def _rollout(cfg, config_dir: Path, run_id: str, progress, bar):  # type: 
     await asyncio.to_thread(stack.start)
     try:
         agent = load_agent(cfg.agent.entry, search_path=[config_dir, Path.cwd()])
-        reward = host.reward_function(cfg.agent.reward) if cfg.agent.reward else None
         sessions = stack.sessions(run_id)
-        controller = RolloutController(
-            agent,
-            sessions,
-            group_size=cfg.rollout.group_size,
-            concurrency=cfg.rollout.concurrency,
-            timeout_s=cfg.rollout.timeout_s,
-            retries=cfg.rollout.retries,
-            reward_fn=reward,
-            agent_kwargs=dict(cfg.agent.kwargs),
-        )
+        controller = RolloutController.from_config(cfg, agent, sessions, host=host)
         try:
             summary = await controller.run(tasks, progress=lambda _e: progress.advance(bar))
         finally:
