@@ -139,7 +139,11 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 0
     bf16: bool = Field(False, description="torch: autocast; deepspeed: bf16 weights, fp32 master")
-    attn_implementation: str = Field("sdpa", description="sdpa | eager | flash_attention_2")
+    attn_implementation: str = Field(
+        "varlen",
+        description="varlen (per-sequence attention from the packing, flash varlen on CUDA) "
+        "| sdpa (block-diagonal mask over the packed row) | eager | flash_attention_2",
+    )
     logprob_chunk_size: int = Field(1024, ge=1, description="rows per vocab-projection chunk")
     padded_attention: bool = Field(
         False,
@@ -212,6 +216,12 @@ class AlgorithmConfig(Section):
     clip_high: float = Field(0.2, ge=0, description="> clip_low is clip-higher")
     dual_clip: float | None = Field(None, gt=1.0)
     decoupled: bool = True
+    separate_proximal_pass: bool = Field(
+        False,
+        description="decoupled: a no-grad forward for the proximal logprobs before the "
+        "update; off, the update's own forward gives them (detached), the same numbers "
+        "since a step makes one optimizer update, at one forward less",
+    )
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"

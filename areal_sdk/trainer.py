@@ -188,7 +188,10 @@ class AsyncTrainer:
         samples, merge_stats = build_batch_samples(episodes)
         advantages = sample_advantages(samples, self.cfg.algorithm.advantage)
         (micro_batches,) = pack_samples(samples, advantages, self.cfg.train.micro_batch_tokens)
-        if self.cfg.algorithm.decoupled:
+        # The proximal policy is the weights at the start of this update. The step makes one
+        # optimizer update, so the update's own forward computes them; the loss takes its
+        # detached logprobs unless a separate pass filled them in.
+        if self.cfg.algorithm.decoupled and self.cfg.algorithm.separate_proximal_pass:
             for mb, prox in zip(
                 micro_batches, self.backend.forward_logprobs(micro_batches), strict=True
             ):

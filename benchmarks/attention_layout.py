@@ -1,6 +1,8 @@
-"""One GRPO training step of the torch backend with the sequences of each micro-batch run as a
-right-padded batch (``padded_attention``, the default) against one packed row with a
-block-diagonal mask. Same model, samples and micro-batches; best of ``--repeats``.
+"""One GRPO training step of the torch backend under three attention layouts of a micro-batch:
+one packed row with a block-diagonal mask (``packed``), the sequences as a right-padded batch
+(``train.padded_attention``), and per-sequence attention from the packing boundaries
+(``train.attn_implementation: varlen``). Same model, samples and micro-batches; best of
+``--repeats``.
 
     python benchmarks/attention_layout.py --model smollm2-135m-instruct --seqs 16 --lengths 80,110
 """
@@ -33,17 +35,16 @@ def main() -> None:
     parser.add_argument("--lengths", default="80,110", help="min,max tokens per sequence")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--layouts", default="packed,padded,varlen")
     args = parser.parse_args()
     source = "path" if Path(args.model).exists() else "name"
-    cfg = load_config(
-        None,
-        [
-            f"model.{source}={args.model}",
-            f"train.device={args.device}",
-            "train.bf16=true",
-            f"train.micro_batch_tokens={args.micro_batch_tokens}",
-        ],
-    )
+    base = [
+        f"model.{source}={args.model}",
+        f"train.device={args.device}",
+        "train.bf16=true",
+        f"train.micro_batch_tokens={args.micro_batch_tokens}",
+    ]
+    cfg = load_config(None, base)
     lo, hi = (int(x) for x in args.lengths.split(","))
     rng = random.Random(0)
     samples = []
@@ -64,19 +65,22 @@ def main() -> None:
         )
     adv = sample_advantages(samples, "grpo")
     loss_fn = make_loss_fn(cfg.algorithm, current_version=0)
+    layouts = {
+        "packed": [],
+        "padded": ["train.padded_attention=true"],
+        "varlen": ["train.attn_implementation=varlen"],
+    }
     results: dict[str, float] = {}
-    for padded in (True, False):
-        backend = get_host().train_backend("torch")(cfg)
-        backend.model.padded_attention = padded
+    for layout in args.layouts.split(","):
+        layout_cfg = load_config(None, [*base, *layouts[layout]])
+        backend = get_host().train_backend("torch")(layout_cfg)
         best = float("inf")
         for _ in range(args.repeats):
             (mbs,) = pack_samples(samples, adv, args.micro_batch_tokens)
             start = time.perf_counter()
-            for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
-                mb.proximal_logprobs = prox
             backend.train_step(mbs, loss_fn)
             best = min(best, time.perf_counter() - start)
-        results["padded" if padded else "packed"] = best
+        results[layout] = best
         backend.close()
     print(json.dumps({"args": vars(args), "step_s": results, "micro_batches": len(mbs)}))
 

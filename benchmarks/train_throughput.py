@@ -79,26 +79,53 @@ def samples(n: int, seq: int, vocab: int):  # type: ignore[no-untyped-def]
     return out
 
 
-def time_backend(path: Path, args: argparse.Namespace, logprob_backend: str = "auto") -> dict:
+# Backend variants: name -> (config overrides, separate proximal pass).
+VARIANTS: dict[str, tuple[list[str], bool]] = {
+    # The layout of the first measurement: masked packed row, checkpointing, extra pass.
+    "sdpa_gc_prox": (["train.attn_implementation=sdpa", "train.gradient_checkpointing=true"], True),
+    "varlen_gc": (["train.attn_implementation=varlen", "train.gradient_checkpointing=true"], False),
+    "varlen": (["train.attn_implementation=varlen", "train.gradient_checkpointing=false"], False),
+    "padded": (
+        [
+            "train.attn_implementation=sdpa",
+            "train.padded_attention=true",
+            "train.gradient_checkpointing=false",
+        ],
+        False,
+    ),
+    "deepspeed_varlen": (
+        [
+            "train.backend=deepspeed",
+            "train.zero_stage=0",
+            "train.attn_implementation=varlen",
+            "train.gradient_checkpointing=false",
+        ],
+        False,
+    ),
+}
+
+
+def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
     from areal_sdk.algorithms.advantages import sample_advantages
     from areal_sdk.algorithms.losses import make_loss_fn
     from areal_sdk.config import load_config
     from areal_sdk.packing import pack_samples
     from areal_sdk.plugin_host import get_host
 
+    overrides, separate_proximal = VARIANTS[variant]
     cfg = load_config(
         None,
         [
             f"model.path={path}",
             "train.device=cuda",
             "train.bf16=true",
-            "train.gradient_checkpointing=true",
             f"train.micro_batch_tokens={args.micro_batch_tokens}",
             "train.lr=1e-6",
-            f"train.logprob_backend={logprob_backend}",
+            f"train.logprob_backend={args.logprob_backend}",
+            *overrides,
         ],
     )
-    backend = get_host().train_backend("torch")(cfg)
+    backend = get_host().train_backend(cfg.train.backend)(cfg)
     batch = samples(args.seqs, args.seq_len, 151936)
     adv = sample_advantages(batch, "grpo")
     loss_fn = make_loss_fn(cfg.algorithm, current_version=0)
@@ -108,20 +135,50 @@ def time_backend(path: Path, args: argparse.Namespace, logprob_backend: str = "a
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         (mbs,) = pack_samples(batch, adv, args.micro_batch_tokens)
-        for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
-            mb.proximal_logprobs = prox
+        if separate_proximal:
+            for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
+                mb.proximal_logprobs = prox
         backend.train_step(mbs, loss_fn)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in backend.model.parameters())
+    extra = " + separate proximal forward" if separate_proximal else ""
     return {
-        "what": f"torch backend GRPO step (proximal fwd + fwd/bwd + AdamW), {logprob_backend} logprobs",
+        "what": f"{cfg.train.backend} backend GRPO step{extra}: {' '.join(overrides)}",
         "step_s": times,
         "params": n_params,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "backend": backend,
         "cfg": cfg,
     }
+
+
+def check_varlen_matches_sdpa(path: Path, args: argparse.Namespace) -> dict:
+    """The flash varlen path against the masked packed row on the same micro-batch."""
+    from areal_sdk.algorithms.advantages import sample_advantages
+    from areal_sdk.config import load_config
+    from areal_sdk.packing import pack_samples
+    from areal_sdk.plugin_host import get_host
+
+    batch = samples(8, 512, 151936)
+    (mbs,) = pack_samples(batch, sample_advantages(batch, "grpo"), 4096)
+    out = []
+    for attn in ("sdpa", "varlen"):
+        cfg = load_config(
+            None,
+            [
+                f"model.path={path}",
+                "train.device=cuda",
+                "train.bf16=true",
+                f"train.attn_implementation={attn}",
+            ],
+        )
+        backend = get_host().train_backend("torch")(cfg)
+        out.append(torch.cat(backend.forward_logprobs(mbs)))
+        del backend
+        torch.cuda.empty_cache()
+    diff = (out[0] - out[1]).abs()
+    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
 
 
 def time_plain(path: Path, args: argparse.Namespace) -> dict:
@@ -188,30 +245,58 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--pushes", type=int, default=3)
-    parser.add_argument("--logprob-backends", default="auto", help="e.g. torch,triton")
+    parser.add_argument("--logprob-backend", default="auto", help="auto | torch | triton")
+    parser.add_argument(
+        "--variants",
+        default="sdpa_gc_prox,varlen_gc,varlen,padded",
+        help=f"backend layouts to time, of: {', '.join(VARIANTS)}",
+    )
+    parser.add_argument("--check", action="store_true", help="compare varlen with sdpa first")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     path = build(Path(tempfile.mkdtemp(prefix="train-bench-")) / "model", args.layers)
     tokens = args.seqs * args.seq_len
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_step": tokens}
+    if args.check:
+        report["varlen_check"] = check_varlen_matches_sdpa(path, args)
+        print(json.dumps({"varlen_check": report["varlen_check"]}), flush=True)
     rows = {"plain": time_plain(path, args)}
+    print(json.dumps({"plain": rows["plain"]}), flush=True)
     backend = cfg = None
-    for name in args.logprob_backends.split(","):
+    n_params = None
+    for name in args.variants.split(","):
         if backend is not None:
             backend.close()
             del backend
             torch.cuda.empty_cache()
-        row = time_backend(path, args, name)
+        try:
+            row = time_backend(path, args, name)
+        except Exception as exc:  # one variant failing must not hide the others
+            backend = None
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps({name: rows[name]}), flush=True)
+            continue
         backend, cfg = row.pop("backend"), row.pop("cfg")
-        rows[f"backend_{name}"] = row
-    fpt = flops_per_token(rows[f"backend_{name}"]["params"], args.layers, 896, args.seq_len)
+        n_params = row["params"]
+        rows[name] = row
+        print(json.dumps({name: row}), flush=True)
+    fpt = flops_per_token(n_params or 494_032_768, args.layers, 896, args.seq_len)
     for name, row in rows.items():
+        if "step_s" not in row:
+            report[name] = row
+            continue
         best = min(row["step_s"][1:] or row["step_s"])
         row["tokens_per_s"] = tokens / best
         row["mfu"] = row["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)
         report[name] = row
-        print(json.dumps({name: row}), flush=True)
+        print(
+            f"{name:18s} {row['tokens_per_s']:10,.0f} tok/s  MFU {row['mfu']:.1%}  "
+            f"peak {row['peak_mem_gib']:.1f} GiB",
+            flush=True,
+        )
     try:
+        if backend is None or args.pushes < 1:
+            raise RuntimeError("no backend left to push from")
         report["weight_push"] = time_pushes(path, backend, cfg, args.pushes)
     except Exception as exc:
         report["weight_push"] = f"{type(exc).__name__}: {exc}"

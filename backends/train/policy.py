@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
+from areal_sdk.backends.train import varlen_attention
 from torch import nn
 
 # HF names are the wrapped model's names without this prefix.
@@ -75,6 +76,7 @@ class PackedPolicy(nn.Module):
         chunk_size: int = 1024,
         logprob_backend: str = "auto",
         padded_attention: bool = False,
+        varlen_attention: bool = False,
     ):
         super().__init__()
         head = policy.get_output_embeddings()
@@ -85,6 +87,7 @@ class PackedPolicy(nn.Module):
         self.temperature = temperature if temperature > 0 else 1.0
         self.chunk_size = chunk_size
         self.padded_attention = padded_attention
+        self.varlen_attention = varlen_attention
 
     def forward(
         self,
@@ -121,13 +124,27 @@ class PackedPolicy(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[N, H]`` of the packed row.
 
-        ``padded_attention`` runs the sequences as a right-padded ``[S, L]`` batch: causal
-        attention never looks at the padding after a sequence, so no mask is needed and SDPA
-        can take its flash path at S x L^2 cost, where one packed row with a block-diagonal
-        mask costs N^2; the price is the padding's share of every other layer. Otherwise the
-        row runs as is (flash-attention 2 reads ``position_ids`` and separates sequences).
+        ``varlen_attention`` (``attn_implementation: varlen``) hands the sequence boundaries
+        to the attention kernel, which attends within each sequence at the cost of its own
+        length squared. ``padded_attention`` runs the sequences as a right-padded ``[S, L]``
+        batch: causal attention never looks at the padding after a sequence, so no mask is
+        needed and SDPA can take its flash path at S x L^2 cost, where one packed row with a
+        block-diagonal mask costs N^2; the price is the padding's share of every other layer.
+        Otherwise the row runs as is (transformers builds the block-diagonal mask from
+        ``position_ids``; flash-attention 2 reads them directly).
         """
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if self.varlen_attention:
+            return self.policy.base_model(
+                input_ids=input_ids[None],
+                position_ids=position_ids[None],
+                attention_mask=None,
+                use_cache=False,
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=int(lengths.max()),
+                max_length_k=int(lengths.max()),
+            ).last_hidden_state[0]
         if not self.padded_attention or lengths.numel() <= 1:
             return self.policy.base_model(
                 input_ids=input_ids[None],
@@ -167,6 +184,9 @@ def load_policy(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    varlen = attn_implementation == varlen_attention.NAME
+    if varlen:
+        varlen_attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
@@ -184,8 +204,11 @@ def load_policy(
         temperature=temperature,
         chunk_size=chunk_size,
         logprob_backend=logprob_backend,
-        # flash-attention 2 separates packed sequences itself, at no padding cost.
-        padded_attention=padded_attention and attn_implementation != "flash_attention_2",
+        # varlen and flash-attention 2 separate packed sequences themselves, unpadded.
+        padded_attention=padded_attention
+        and not varlen
+        and attn_implementation != "flash_attention_2",
+        varlen_attention=varlen,
     )
 
 

@@ -144,9 +144,9 @@ def test_the_plugin_registers_both_backends_and_every_sync_method(tiny_model_dir
 def test_padded_and_packed_attention_agree_forward_and_backward(tiny_model_dir: Path) -> None:
     """The right-padded batch (flash-able SDPA) and the one packed row with a block-diagonal
     mask are the same computation."""
-    padded = TorchBackend(tiny_model_dir, train_config())
+    padded = TorchBackend(tiny_model_dir, train_config(attn_implementation="sdpa"))
     padded.model.padded_attention = True
-    packed = TorchBackend(tiny_model_dir, train_config())
+    packed = TorchBackend(tiny_model_dir, train_config(attn_implementation="sdpa"))
     batches = micro_batches(10_000)[0]
     assert batches[0].num_sequences > 1
     torch.testing.assert_close(
@@ -154,4 +154,47 @@ def test_padded_and_packed_attention_agree_forward_and_backward(tiny_model_dir: 
     )
     torch.testing.assert_close(
         run_steps(padded, batches, 2), run_steps(packed, batches, 2), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_varlen_attention_equals_the_masked_packed_row_forward_and_backward(
+    tiny_model_dir: Path,
+) -> None:
+    """``attn_implementation: varlen`` (per-sequence causal attention from the boundaries, the
+    flash varlen kernel on CUDA) computes what the block-diagonal mask computes."""
+    varlen = TorchBackend(tiny_model_dir, train_config(attn_implementation="varlen"))
+    assert varlen.model.varlen_attention
+    packed = TorchBackend(tiny_model_dir, train_config(attn_implementation="sdpa"))
+    batches = micro_batches(10_000)[0]
+    assert batches[0].num_sequences > 1
+    torch.testing.assert_close(
+        varlen.forward_logprobs(batches), packed.forward_logprobs(batches), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        run_steps(varlen, batches, 2), run_steps(packed, batches, 2), rtol=1e-5, atol=1e-6
+    )
+    probe = [single(FIXED_SEQUENCE)]
+    torch.testing.assert_close(
+        varlen.forward_logprobs(probe), packed.forward_logprobs(probe), atol=1e-4, rtol=0
+    )
+
+
+def test_the_update_s_own_forward_gives_the_proximal_logprobs_of_a_separate_pass(
+    tiny_model_dir: Path,
+) -> None:
+    """What lets the trainer skip the no-grad proximal pass: one optimizer update per step,
+    so the proximal policy is the weights the update's forward runs."""
+    separate = TorchBackend(tiny_model_dir, train_config())
+    fused = TorchBackend(tiny_model_dir, train_config())
+    batches, other = micro_batches(40)[0], micro_batches(40)[0]
+    for mb, prox in zip(batches, separate.forward_logprobs(batches), strict=True):
+        mb.proximal_logprobs = prox
+    assert all(mb.proximal_logprobs is None for mb in other)
+    a = separate.train_step(batches, loss_fn())
+    b = fused.train_step(other, loss_fn())
+    for key in ("loss", "grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7)
+    probe = [single(FIXED_SEQUENCE)]
+    torch.testing.assert_close(
+        separate.forward_logprobs(probe), fused.forward_logprobs(probe), atol=1e-5, rtol=0
     )

@@ -1,0 +1,154 @@
+"""Attention over a packed row, one causal block per sequence, registered with transformers.
+
+A packed micro-batch is one row of many sequences. Through SDPA it needs a block-diagonal
+mask, and a masked kernel pays for the whole row (N^2 for N tokens) where the sequences need
+only the sum of their own squares. ``varlen`` takes the sequence boundaries (``cu_seqlens``)
+instead of a mask:
+
+- on CUDA in fp16/bf16, torch's flash-attention ``varlen_attn`` (``torch.nn.attention.
+  varlen``), the kernel flash-attention's ``cu_seqlens`` API exposes, forward and backward;
+- elsewhere (CPU, float32), causal SDPA per sequence: no mask, no padding.
+
+Register once with ``register()`` and load the model with ``attn_implementation="varlen"``;
+transformers then builds no mask (the name has no mask function) and passes the
+``cu_seq_lens_q`` / ``max_length_q`` keywords of the model's forward to every layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen"
+
+
+@cache
+def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
+    """torch's ``varlen_attn`` and its keyword names, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def flash_available(device: torch.device) -> bool:
+    """Whether ``varlen`` runs the flash kernel on ``device`` (else per-sequence SDPA)."""
+    return device.type == "cuda" and _flash_varlen() is not None
+
+
+def _flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """``[N, H, D]`` inputs through the flash varlen kernel, causal, GQA native."""
+    found = _flash_varlen()
+    assert found is not None
+    varlen_attn, params = found
+    kwargs: dict[str, Any] = {"scale": scale}
+    # The causal switch moved between torch releases: ``is_causal`` first, then a window.
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _per_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    scale: float | None,
+) -> torch.Tensor:
+    """``[1, H, N, D]`` inputs, causal SDPA on each sequence's slice; ``[N, H, D]`` out."""
+    gqa = query.shape[1] != key.shape[1]
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return torch.cat(parts, dim=2)[0].transpose(0, 1)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``[B, H, S, D]`` in, ``[B, S, H, D]`` out.
+
+    Needs ``cu_seq_lens_q`` (and ``max_length_q``) for a packed row (batch 1); without
+    them the row is one sequence.
+    """
+    if dropout:
+        raise ValueError("varlen attention does not apply dropout")
+    if attention_mask is not None:
+        raise ValueError("varlen attention takes sequence boundaries, not a mask")
+    batch, _, n, _ = query.shape
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
+    if batch != 1:
+        raise ValueError(f"varlen attention takes one packed row, got a batch of {batch}")
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        # The rotary embedding promotes q and k to the float32 residual stream's dtype;
+        # autocast would cast them back for SDPA, but not for a custom kernel.
+        dtype = torch.get_autocast_dtype(query.device.type)
+    if flash_available(query.device) and dtype in (torch.float16, torch.bfloat16):
+        max_len = kwargs.get("max_length_q")
+        if max_len is None:
+            max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+        out = _flash(q, k, v, cu_seqlens, int(max_len), scaling)
+    else:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != n:
+            raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row of {n} tokens")
+        out = _per_sequence(query, key, value, bounds, scaling)
+    return out.unsqueeze(0), None
+
+
+@cache
+def register() -> str:
+    """Register ``varlen`` with transformers' attention interface; returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    return NAME
