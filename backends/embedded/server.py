@@ -1,7 +1,9 @@
 """SGLang's native HTTP routes over an ``EmbeddedEngine``, so one SGLang client serves both.
 
 Routes: ``/generate`` (text or input_ids, batched lists, ``n``, return_logprob, SSE stream,
-rid), ``/update_weights_from_disk``, ``/update_weight_version``, ``/pause_generation``,
+rid), ``/update_weights_from_disk``, ``/update_weights_from_tensor`` (CUDA IPC handles, or
+CPU shared memory in one process; ``load_format`` null, ``direct`` or ``flattened_bucket``),
+``/update_weight_version``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/get_model_info``,
 ``/get_weight_version``, ``/get_server_info``, ``/get_load``, ``/health``,
 ``/health_generate``, and the weight-update group: ``/init_weights_update_group``,
@@ -63,6 +65,15 @@ class UpdateFromDisk(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+
+
+class UpdateFromTensor(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 class PauseBody(BaseModel):
@@ -330,13 +341,49 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             }
         )
 
-    # -- SGLang's weight-update group: the trainer is rank 0 and broadcasts each tensor -----
-    groups: dict[str, Any] = {}
-
     def _result(success: bool, message: str) -> JSONResponse:
         return JSONResponse(
             {"success": success, "message": message}, status_code=200 if success else 400
         )
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        from areal_sdk.backends.weight_sync.cuda_ipc import PayloadError, read_sglang_payload
+
+        body = await _json_body(request, UpdateFromTensor)
+        # One payload per TP rank; this engine is one rank.
+        if len(body.serialized_named_tensors) != 1:
+            return _result(
+                False,
+                f"serialized_named_tensors holds {len(body.serialized_named_tensors)} payloads; "
+                "this engine has 1 TP rank",
+            )
+        # Without weight_version the bucket keeps the served version (SGLang's behaviour):
+        # a push of several buckets names the version on its last one.
+        version = (
+            engine.version
+            if body.weight_version is None
+            else _parse_version(body.weight_version, engine.version)
+        )
+        try:
+            named = read_sglang_payload(body.serialized_named_tensors[0], body.load_format)
+        except PayloadError as exc:
+            return _result(False, str(exc))
+        if body.abort_all_requests:
+            await engine.abort_all()
+        try:
+            await engine.update_weights(dict(named), version, flush_cache=body.flush_cache)
+        except WeightUpdateError as exc:
+            return _result(False, str(exc))
+        finally:
+            # The tensors are views of the sender's memory: drop them before answering, so
+            # the sender may free the bucket once this request returns.
+            count = len(named)
+            del named
+        return _result(True, f"loaded {count} tensors; weight version {engine.version}")
+
+    # -- SGLang's weight-update group: the trainer is rank 0 and broadcasts each tensor -----
+    groups: dict[str, Any] = {}
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
