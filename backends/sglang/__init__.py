@@ -2,7 +2,8 @@
 
 ``SGLangBackend`` (``backend.py``) serves generation, pauses and weight updates;
 ``SGLangLauncher`` (``launcher.py``) starts servers from config; ``SGLangBroadcastSync``
-(``weight_sync.py``) pushes trainer weights over SGLang's weight-update group. The same
+(``weight_sync.py``) pushes trainer weights over SGLang's weight-update group, and
+``SGLangTensorSync`` (``tensor_sync.py``) as CUDA IPC handles to colocated servers. The same
 client drives the embedded engine, which serves the same routes. See docs/sglang.md.
 """
 

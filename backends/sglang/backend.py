@@ -76,6 +76,9 @@ class SGLangBackend(InferenceBackend):
         self._where: dict[str, Server] = {}  # rid -> the server running it
         # A flag, not an asyncio.Event: the gateway and the trainer call from different loops.
         self._paused = False
+        self._pauses = 0  # pause() calls so far: an abort during one is not the caller's
+        self._generating: set[str] = set()  # rids of generate() calls under way
+        self._aborted: set[str] = set()  # ... that abort() ended
         self._closed = False
 
     @classmethod
@@ -141,12 +144,51 @@ class SGLangBackend(InferenceBackend):
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None
     ) -> GenerateOutput:
+        """One completion. A request that a ``pause(mode=abort)`` of this backend cut short
+        is re-sent after ``resume()`` as prompt + partial output, with ``max_new_tokens``
+        reduced by what it already produced (as AReaL does); the answer is the concatenation,
+        each token tagged with the version that sampled it. ``abort(request_id)`` returns
+        what was sampled so far, with ``finish_reason`` ``"abort"``."""
         if sampling.n != 1:
             raise ValueError("generate() samples one completion; use generate_n for n > 1")
-        while self._paused:  # a paused backend holds new requests until resume()
-            await asyncio.sleep(PAUSE_POLL_S)
         rid = request_id or uuid.uuid4().hex
         key = affinity_key(request_id)
+        parts: list[GenerateOutput] = []
+        produced: list[int] = []
+        self._generating.add(rid)
+        try:
+            while True:
+                # A paused backend holds requests, new and interrupted ones, until resume().
+                while self._paused and rid not in self._aborted:
+                    await asyncio.sleep(PAUSE_POLL_S)
+                if rid in self._aborted:
+                    break
+                left = sampling.max_new_tokens - len(produced)
+                part = (
+                    sampling if not parts else sampling.model_copy(update={"max_new_tokens": left})
+                )
+                pauses = self._pauses
+                out = await self._generate_once([*input_ids, *produced], part, rid, key)
+                parts.append(out)
+                produced += out.output_ids
+                interrupted = (
+                    out.finish_reason == "abort"
+                    and rid not in self._aborted
+                    and (self._paused or self._pauses != pauses)
+                )
+                if not interrupted or len(produced) >= sampling.max_new_tokens:
+                    break
+        finally:
+            self._generating.discard(rid)
+            self._aborted.discard(rid)
+        if not parts:  # aborted while held by a pause
+            return GenerateOutput([], [], [], "abort", prompt_tokens=len(input_ids), request_id=rid)
+        return _join(parts, prompt_tokens=len(input_ids), max_new_tokens=sampling.max_new_tokens)
+
+    async def _generate_once(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, key: str | None
+    ) -> GenerateOutput:
+        """One ``/generate``, re-sent to another server if its server is gone."""
         body = generate_body(input_ids, sampling, rid)
         tried: set[str] = set()
         while True:
@@ -175,6 +217,7 @@ class SGLangBackend(InferenceBackend):
 
     async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
         self._paused = True
+        self._pauses += 1
         await self._fan_out(lambda s: s.client.post_json("/pause_generation", {"mode": mode}))
 
     async def resume(self) -> None:
@@ -184,6 +227,8 @@ class SGLangBackend(InferenceBackend):
             self._paused = False
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self._generating:
+            self._aborted.add(request_id)  # not to be continued after a pause
         server = self._where.get(request_id)
         if server is not None:
             await server.client.post("/abort_request", {"rid": request_id})
@@ -304,6 +349,45 @@ class SGLangBackend(InferenceBackend):
             )
         )
 
+    async def update_weights_from_tensor(
+        self,
+        payload: str,
+        *,
+        load_format: str | None = "flattened_bucket",
+        weight_version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """One bucket's ``/update_weights_from_tensor`` on every live server (the same
+        payload for each of its TP ranks: colocated ranks open the same handle). The bucket
+        must stay alive until this returns; with ``weight_version`` (the last bucket) the
+        servers serve that version afterwards."""
+        body: dict[str, Any] = {
+            "load_format": load_format,
+            "flush_cache": True,
+            "abort_all_requests": False,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(int(weight_version))
+
+        async def push(server: Server) -> Any:
+            one = {"serialized_named_tensors": [payload] * server.tp_size, **body}
+            return await server.client.post_json(
+                "/update_weights_from_tensor", one, idempotent=False, timeout_s=timeout_s
+            )
+
+        await self._fan_out(push)
+        if weight_version is not None:
+            self._version = int(weight_version)
+
+    async def served_versions(self) -> dict[str, int]:
+        """``GET /get_weight_version`` of every live server."""
+
+        async def read(server: Server) -> tuple[str, int]:
+            data = (await server.client.get("/get_weight_version", timeout_s=30)).json()
+            return server.url, parse_version(data.get("weight_version"), default=-1)
+
+        return dict(await self._fan_out(read))
+
     async def destroy_weight_group(self, group_name: str) -> None:
         await self._fan_out(
             lambda s: s.client.post_json(
@@ -316,12 +400,21 @@ class SGLangBackend(InferenceBackend):
         self, method: str, config: Config, *, trainer_rank: int = 0, **overrides: Any
     ) -> WeightSync | None:
         """The trainer side of ``method`` for these servers, where it differs from the
-        generic one: ``broadcast`` drives SGLang's weight-group routes."""
-        if method != "broadcast":
-            return None
-        from areal_sdk.backends.sglang.weight_sync import SGLangBroadcastSync
+        generic one: ``broadcast`` drives SGLang's weight-group routes, ``cuda_ipc``
+        ``/update_weights_from_tensor``."""
+        if method == "broadcast":
+            from areal_sdk.backends.sglang.weight_sync import SGLangBroadcastSync
 
-        return SGLangBroadcastSync.from_config(self, config, trainer_rank=trainer_rank, **overrides)
+            return SGLangBroadcastSync.from_config(
+                self, config, trainer_rank=trainer_rank, **overrides
+            )
+        if method == "cuda_ipc":
+            from areal_sdk.backends.sglang.tensor_sync import SGLangTensorSync
+
+            return SGLangTensorSync.from_config(
+                self, config, trainer_rank=trainer_rank, **overrides
+            )
+        return None
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -347,6 +440,31 @@ class SGLangBackend(InferenceBackend):
         if not self.pool.live:
             raise NoServerLeft(self.pool.describe_dead())
         return out
+
+
+def _join(
+    parts: list[GenerateOutput], *, prompt_tokens: int, max_new_tokens: int
+) -> GenerateOutput:
+    """The answers of one request and its continuations as one completion."""
+    last = parts[-1]
+    if len(parts) == 1:
+        return last
+    ids = [t for p in parts for t in p.output_ids]
+    finish = last.finish_reason
+    if finish == "abort" and len(ids) >= max_new_tokens:
+        finish = "length"  # cut by a pause exactly at the budget
+    tops = [p.top_logprobs for p in parts]
+    return GenerateOutput(
+        output_ids=ids,
+        logprobs=[x for p in parts for x in p.logprobs],
+        versions=[v for p in parts for v in p.versions],
+        finish_reason=finish,
+        matched_stop=last.matched_stop,
+        prompt_tokens=prompt_tokens,
+        request_id=last.request_id,
+        meta={**last.meta, "continuations": len(parts) - 1},
+        top_logprobs=None if any(t is None for t in tops) else [x for t in tops for x in t],  # type: ignore[union-attr]
+    )
 
 
 def _register_worker(http: httpx.Client, router: str, worker: str) -> None:
