@@ -9,7 +9,15 @@ what makes waiting for the slowest generation expensive in synchronous RL. The r
 share of digits in the reply, something a random model can learn.
 
 Reports per setting: wall seconds per step after the first ``--warmup`` steps, training steps
-per hour, mean GPU utilisation (NVML, sampled every 100 ms) and the reward per step.
+per hour, mean GPU utilisation (NVML, sampled every 100 ms), the reward per step, and the
+mean seconds per step spent waiting for rollouts (``time/wait_s``), pushing weights
+(``time/push_s``) and training (the rest of ``time/step_s``) over the same steps.
+
+With ``--engine-process`` the engine runs as ``areal-sdk engine`` in its own process (a fresh
+one per setting, so no setting starts from another's trained weights), reached over SGLang's
+protocol; weights go by ``--push-method`` (``cuda_ipc`` on CUDA: SGLang's
+``/update_weights_from_tensor``, else ``disk``) with the engine paused in ``--pause-mode``
+(default ``retract``).
 
     python benchmarks/e2e_staleness.py --device cuda --steps 10 --staleness 0,2,4 --json out.json
     python benchmarks/e2e_staleness.py --device cuda --engine-process ...   # engine apart
@@ -49,6 +57,9 @@ async def solve(task):
     text = reply.choices[0].message.content or ""
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 """
+
+
+TIMES = ("wait_s", "push_s", "step_s")
 
 
 def build_model(out: Path, layers: int) -> Path:
@@ -152,16 +163,21 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         overrides += [
             "inference.backend=sglang",
             f"inference.urls=[{args.engine_url}]",
-            "weights.method=disk",
-            "weights.pause_mode=abort",
+            f"weights.method={args.push_method}",
         ]
+        if args.push_method == "cuda_ipc" and args.device.startswith("cuda"):
+            overrides.append("weights.dtype=bfloat16")  # what the engine holds on CUDA
+    if args.pause_mode:
+        overrides.append(f"weights.pause_mode={args.pause_mode}")
     cfg = load_config(None, overrides)
     stamps: list[float] = []
     rewards: list[float] = []
+    times: list[dict[str, float]] = []
 
     def on_step(report) -> None:  # type: ignore[no-untyped-def]
         stamps.append(time.perf_counter())
         rewards.append(report.metrics.get("rollout/reward_mean", float("nan")))
+        times.append({k: report.metrics.get(f"time/{k}", float("nan")) for k in TIMES})
 
     run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=lambda m: None)
     start = time.perf_counter()
@@ -169,9 +185,24 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         result = asyncio.run(run.run())
     measured = stamps[args.warmup :]
     per_step = (measured[-1] - measured[0]) / (len(measured) - 1) if len(measured) > 1 else None
+    # Over the steps after warmup (all of them if the run is shorter).
+    steady = times[args.warmup :] or times
+    split = {
+        f"{k}_mean": statistics.fmean(t[k] for t in steady) if steady else None
+        for k in ("wait_s", "push_s")
+    }
+    split["train_s_mean"] = (
+        statistics.fmean(t["step_s"] - t["wait_s"] - t["push_s"] for t in steady)
+        if steady
+        else None
+    )
     return {
         "max_staleness": staleness,
         "steps": result.steps,
+        "engine": "process" if args.engine_url else "in process",
+        "push_method": args.push_method if args.engine_url else cfg.weights.method,
+        "pause_mode": cfg.weights.pause_mode,
+        **split,
         "wall_s": time.perf_counter() - start,
         "s_per_step": per_step,
         "steps_per_hour": 3600 / per_step if per_step else None,
@@ -179,6 +210,15 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         "reward_per_step": rewards,
         "reward_last3": statistics.fmean(rewards[-3:]) if len(rewards) >= 3 else None,
     }
+
+
+def stop_engine(proc) -> None:  # type: ignore[no-untyped-def]
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except Exception:
+        proc.kill()
+        proc.wait(30)
 
 
 def start_engine(model: Path, args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -218,7 +258,7 @@ def start_engine(model: Path, args: argparse.Namespace):  # type: ignore[no-unty
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    stop_engine(proc)
     raise RuntimeError("the engine process did not answer /health within 300 s")
 
 
@@ -239,28 +279,41 @@ def main() -> None:
     parser.add_argument(
         "--engine-process",
         action="store_true",
-        help="serve the engine from `areal-sdk engine` in its own process instead of in process",
+        help="serve the engine from `areal-sdk engine` in its own process (a fresh one per "
+        "setting) instead of in process",
+    )
+    parser.add_argument(
+        "--push-method",
+        choices=["cuda_ipc", "disk", "broadcast"],
+        help="--engine-process: weights.method (default cuda_ipc on cuda, else disk)",
+    )
+    parser.add_argument(
+        "--pause-mode",
+        choices=["retract", "in_place", "abort"],
+        help="weights.pause_mode (default retract)",
     )
     args = parser.parse_args()
+    if args.push_method is None:
+        args.push_method = "cuda_ipc" if args.device.startswith("cuda") else "disk"
     args.engine_url = None
     work = Path(tempfile.mkdtemp(prefix="e2e-"))
     (work / "bench_agent.py").write_text(AGENT)
     write_tasks(work / "tasks.jsonl", 512, args.min_tokens, args.max_tokens)
     model = build_model(work / "model", args.layers)
-    engine = None
-    if args.engine_process:
-        engine, args.engine_url = start_engine(model, args)
     results = []
     for s in (int(x) for x in args.staleness.split(",")):
+        engine = None
         try:
+            if args.engine_process:
+                engine, args.engine_url = start_engine(model, args)
             row = run_setting(work, model, args, s)
         except Exception as exc:  # one setting failing must not hide the others
             row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if engine is not None:
+                stop_engine(engine)
         print(json.dumps(row), flush=True)
         results.append(row)
-    if engine is not None:
-        engine.terminate()
-        engine.wait(30)
     base = next((r for r in results if r.get("max_staleness") == 0 and r.get("s_per_step")), None)
     for r in results:
         if base and r.get("s_per_step"):
