@@ -169,6 +169,7 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
             overrides.append("weights.dtype=bfloat16")  # what the engine holds on CUDA
     if args.pause_mode:
         overrides.append(f"weights.pause_mode={args.pause_mode}")
+    overrides += args.set
     cfg = load_config(None, overrides)
     stamps: list[float] = []
     rewards: list[float] = []
@@ -286,6 +287,13 @@ def main() -> None:
         "--push-method",
         choices=["cuda_ipc", "disk", "broadcast"],
         help="--engine-process: weights.method (default cuda_ipc on cuda, else disk)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every setting, e.g. inference.prefill_chunk=4096",
     )
     parser.add_argument(
         "--pause-mode",
