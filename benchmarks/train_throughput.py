@@ -141,7 +141,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         backend.train_step(mbs, loss_fn)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    n_params = sum(p.numel() for p in backend.model.parameters())
+    n_params = sum(t.numel() for bucket in backend.state_for_sync(1 << 40) for _, t in bucket)
     extra = " + separate proximal forward" if separate_proximal else ""
     return {
         "what": f"{cfg.train.backend} backend GRPO step{extra}: {' '.join(overrides)}",
