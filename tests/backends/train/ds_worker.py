@@ -55,6 +55,13 @@ def run_rank(
                     "zero_stage": backend.zero_stage,
                 }
             )
+        resumed.close()
+        # Leave the group together: a rank exiting while its peer still holds the gloo
+        # connection can abort the peer at interpreter exit.
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException:
         out.put({"error": f"rank {rank}: {traceback.format_exc()}"})
         raise
