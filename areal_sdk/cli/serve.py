@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from areal_sdk.gateway import create_app
+    from areal_sdk.gateway.server import KEEP_ALIVE_S
     from areal_sdk.models import ModelNotFoundError
     from areal_sdk.store import TrajectoryStore
 
@@ -186,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"episodes:  {store.path}")
     print(f"new episode: curl -X POST {base}/rl/sessions -H 'Authorization: Bearer <admin key>'")
     sys.stdout.flush()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
+    )
     try:
         server.run(sockets=[sock])
     finally:
