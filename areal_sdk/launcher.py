@@ -44,18 +44,10 @@ class ServerThread:
     ) -> None:
         import uvicorn
 
-        from areal_sdk.gateway.server import KEEP_ALIVE_S
-
         self.name = name
         self._server = uvicorn.Server(
             uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                log_level="warning",
-                lifespan="on",
-                access_log=False,
-                timeout_keep_alive=KEEP_ALIVE_S,
+                app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
             )
         )
         self._thread = threading.Thread(target=self._server.run, name=f"areal-{name}", daemon=True)

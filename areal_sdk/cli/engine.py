@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
     from areal_sdk.backends.embedded.server import create_app
-    from areal_sdk.gateway.server import KEEP_ALIVE_S
 
     try:
         with console.status(f"loading {args.model} on {args.device}"):
@@ -77,11 +76,5 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
     )
-    uvicorn.run(
-        create_app(engine),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_keep_alive=KEEP_ALIVE_S,
-    )
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
     return 0

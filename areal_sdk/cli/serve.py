@@ -149,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from areal_sdk.gateway import create_app
-    from areal_sdk.gateway.server import KEEP_ALIVE_S
     from areal_sdk.models import ModelNotFoundError
     from areal_sdk.store import TrajectoryStore
 
@@ -187,9 +186,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"episodes:  {store.path}")
     print(f"new episode: curl -X POST {base}/rl/sessions -H 'Authorization: Bearer <admin key>'")
     sys.stdout.flush()
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
-    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     try:
         server.run(sockets=[sock])
     finally:

@@ -14,10 +14,6 @@ from typing import Any
 
 import uvicorn
 
-# Idle keep-alive longer than httpx's 5 s pool expiry, so the client, not the server, closes
-# an idle connection: a server closing it just as the client reuses it loses that request.
-KEEP_ALIVE_S = 30
-
 
 class GatewayServer:
     """uvicorn serving ``app`` on ``host:port`` (port 0 picks a free one) in a thread."""
@@ -31,9 +27,7 @@ class GatewayServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(
-            app, log_level=log_level, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S
-        )
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

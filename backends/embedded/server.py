@@ -42,7 +42,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from areal_sdk.gateway.server import KEEP_ALIVE_S
 from areal_sdk.inference import GenerateOutput, PauseMode
 
 # How long a weight-group collective may wait for the trainer.
@@ -580,14 +579,7 @@ class ServerThread:
         self.host = host
         self.port = port or free_port(host)
         self.server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=self.port,
-                log_level="warning",
-                lifespan="off",
-                timeout_keep_alive=KEEP_ALIVE_S,
-            )
+            uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")
         )
         self.thread = threading.Thread(
             target=self.server.run, name="areal-engine-http", daemon=True

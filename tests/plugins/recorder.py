@@ -19,8 +19,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from areal_sdk.gateway.server import KEEP_ALIVE_S
-
 
 @dataclass
 class Recorded:
@@ -263,9 +261,7 @@ class Recorder:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(
-            self.app(), log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S
-        )
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
