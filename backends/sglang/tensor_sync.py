@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from areal_sdk.backends.weight_sync.base import NamedTensors, WeightSync, sync_dtype
+from areal_sdk.backends.sglang.weight_sync import ServerWeightSync
+from areal_sdk.backends.weight_sync.base import NamedTensors
 from areal_sdk.backends.weight_sync.cuda_ipc import flattened_bucket, sglang_payload
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def split_by_dtype(
     return list(groups.items())
 
 
-class SGLangTensorSync(WeightSync):
+class SGLangTensorSync(ServerWeightSync):
     """Trainer side of SGLang's ``/update_weights_from_tensor`` (colocated servers)."""
 
     method = "cuda_ipc"
@@ -70,19 +71,7 @@ class SGLangTensorSync(WeightSync):
     def from_config(
         cls, engine: SGLangBackend, config: Config, *, trainer_rank: int = 0, **overrides: Any
     ) -> SGLangTensorSync:
-        w = config.weights
-        args: dict[str, Any] = {
-            "device": config.train.device,
-            "timeout_s": w.timeout_s,
-            "dtype": sync_dtype(w.dtype),
-            "trainer_rank": trainer_rank,
-        }
-        args.update(overrides)
-        return cls(engine, **args)
-
-    @property
-    def _peers(self) -> str:
-        return "SGLang servers " + ", ".join(s.url for s in self.engine.pool.live)
+        return cls(engine, **{**cls.config_args(config, trainer_rank), **overrides})
 
     async def _push(self, state: Iterable[NamedTensors], version: int) -> tuple[int, int]:
         deadline = time.monotonic() + self.timeout_s

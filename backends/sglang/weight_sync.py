@@ -54,7 +54,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class SGLangBroadcastSync(WeightSync):
+class ServerWeightSync(WeightSync):
+    """The trainer side of a method that drives the weight routes of ``engine``'s servers."""
+
+    engine: SGLangBackend
+
+    @staticmethod
+    def config_args(config: Config, trainer_rank: int) -> dict[str, Any]:
+        """The constructor arguments every such sync takes from the config."""
+        return {
+            "device": config.train.device,
+            "timeout_s": config.weights.timeout_s,
+            "dtype": sync_dtype(config.weights.dtype),
+            "trainer_rank": trainer_rank,
+        }
+
+    @property
+    def _peers(self) -> str:
+        return "SGLang servers " + ", ".join(s.url for s in self.engine.pool.live)
+
+
+class SGLangBroadcastSync(ServerWeightSync):
     """Trainer rank 0 of SGLang's weight-update group."""
 
     method = "broadcast"
@@ -87,20 +107,13 @@ class SGLangBroadcastSync(WeightSync):
     ) -> SGLangBroadcastSync:
         w = config.weights
         args: dict[str, Any] = {
+            **cls.config_args(config, trainer_rank),
             "master_addr": w.master_addr,
             "master_port": w.master_port,
             "backend": w.group_backend,
-            "device": config.train.device,
-            "timeout_s": w.timeout_s,
-            "dtype": sync_dtype(w.dtype),
-            "trainer_rank": trainer_rank,
+            **overrides,
         }
-        args.update(overrides)
         return cls(engine, **args)
-
-    @property
-    def _peers(self) -> str:
-        return "SGLang servers " + ", ".join(s.url for s in self.engine.pool.live)
 
     async def connect(self, version: int = 0) -> None:
         """Open the weight group with every live server (once)."""

@@ -135,6 +135,7 @@ class PackedPolicy(nn.Module):
         """
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         if self.varlen_attention:
+            longest = int(lengths.max())  # one host sync per micro-batch, not per layer
             return self.policy.base_model(
                 input_ids=input_ids[None],
                 position_ids=position_ids[None],
@@ -142,8 +143,8 @@ class PackedPolicy(nn.Module):
                 use_cache=False,
                 cu_seq_lens_q=cu_seqlens,
                 cu_seq_lens_k=cu_seqlens,
-                max_length_q=int(lengths.max()),
-                max_length_k=int(lengths.max()),
+                max_length_q=longest,
+                max_length_k=longest,
             ).last_hidden_state[0]
         if not self.padded_attention or lengths.numel() <= 1:
             return self.policy.base_model(

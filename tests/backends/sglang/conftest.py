@@ -1,10 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from areal_sdk.backends.embedded import EmbeddedEngine
 from areal_sdk.backends.embedded.server import ServerThread, create_app
+from areal_sdk.backends.sglang import SGLangBackend
 
 from tests.backends.embedded.conftest import make_engine
 
@@ -55,3 +57,20 @@ def servers(tiny_model_dir: Path) -> Iterator[list[tuple[str, object]]]:
     finally:
         for srv, _ in started:
             srv.stop()
+
+
+@pytest.fixture
+def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
+    """One embedded engine behind its SGLang routes, for a test of its own."""
+    engine = make_engine(tiny_model_dir)
+    with ServerThread(create_app(engine)) as srv:
+        yield srv.url, engine
+
+
+@pytest.fixture
+async def backend(served: tuple[str, EmbeddedEngine]) -> AsyncIterator[SGLangBackend]:
+    """An SGLang backend attached to ``served``."""
+    b = SGLangBackend([served[0]], timeout_s=60, retries=1)
+    b.connect()
+    yield b
+    await b.close()

@@ -4,39 +4,21 @@ real embedded engine, real HTTP on loopback, a real ``cuda_ipc`` push in between
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from areal_sdk.backends.embedded import EmbeddedEngine
-from areal_sdk.backends.embedded.server import ServerThread, create_app
 from areal_sdk.backends.sglang import SGLangBackend
 from areal_sdk.backends.sglang.tensor_sync import SGLangTensorSync
 from areal_sdk.backends.train.torch_backend import TorchBackend
 
 from areal_sdk.inference import PauseMode, SamplingParams
-from tests.backends.embedded.conftest import full_forward_logprobs, make_engine
+from tests.backends.embedded.conftest import full_forward_logprobs
 from tests.backends.sglang.test_tensor_sync import trainer_model
 from tests.backends.train.common import loss_fn, micro_batches, train_config
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 12]
 LONG = SamplingParams(max_new_tokens=120, temperature=1.0, ignore_eos=True, seed=3)
-
-
-@pytest.fixture
-def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
-    engine = make_engine(tiny_model_dir)
-    with ServerThread(create_app(engine)) as srv:
-        yield srv.url, engine
-
-
-@pytest.fixture
-async def backend(served: tuple[str, EmbeddedEngine]) -> AsyncIterator[SGLangBackend]:
-    b = SGLangBackend([served[0]], timeout_s=60, retries=1)
-    b.connect()
-    yield b
-    await b.close()
 
 
 async def until_sampled(engine: EmbeddedEngine, tokens: int) -> None:

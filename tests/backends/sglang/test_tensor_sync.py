@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import base64
 import pickle
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from areal_sdk.backends.embedded import EmbeddedEngine
-from areal_sdk.backends.embedded.server import ServerThread, create_app
 from areal_sdk.backends.embedded.weights import load_into
 from areal_sdk.backends.sglang import SGLangBackend
 from areal_sdk.backends.sglang.tensor_sync import SGLangTensorSync
@@ -25,26 +23,11 @@ from transformers import AutoModelForCausalLM
 
 from areal_sdk.config import Config
 from areal_sdk.inference import SamplingParams
-from tests.backends.embedded.conftest import full_forward_logprobs, make_engine
+from tests.backends.embedded.conftest import full_forward_logprobs
 from tests.backends.train.common import loss_fn, micro_batches, train_config
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 12]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture
-def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
-    engine = make_engine(tiny_model_dir)
-    with ServerThread(create_app(engine)) as srv:
-        yield srv.url, engine
-
-
-@pytest.fixture
-async def backend(served: tuple[str, EmbeddedEngine]) -> AsyncIterator[SGLangBackend]:
-    b = SGLangBackend([served[0]], timeout_s=60, retries=1)
-    b.connect()
-    yield b
-    await b.close()
 
 
 def config(model_dir: Path, run_dir: Path, **weights: object) -> Config:
