@@ -137,6 +137,11 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=16)
     gradient_checkpointing: bool = False
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (dynamic shapes): fuses the norms, "
+        "rotary and MLP elementwise work around the GEMMs; the first steps pay the compile",
+    )
     zero_stage: Literal[0, 1, 2, 3] = 0
     bf16: bool = Field(False, description="torch: autocast; deepspeed: bf16 weights, fp32 master")
     attn_implementation: str = Field(

@@ -85,6 +85,14 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     "sdpa_gc_prox": (["train.attn_implementation=sdpa", "train.gradient_checkpointing=true"], True),
     "varlen_gc": (["train.attn_implementation=varlen", "train.gradient_checkpointing=true"], False),
     "varlen": (["train.attn_implementation=varlen", "train.gradient_checkpointing=false"], False),
+    "varlen_compile": (
+        [
+            "train.attn_implementation=varlen",
+            "train.gradient_checkpointing=false",
+            "train.compile=true",
+        ],
+        False,
+    ),
     "padded": (
         [
             "train.attn_implementation=sdpa",
@@ -141,6 +149,16 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         backend.train_step(mbs, loss_fn)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            (mbs,) = pack_samples(batch, adv, args.micro_batch_tokens)
+            backend.train_step(mbs, loss_fn)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        args.profile.mkdir(parents=True, exist_ok=True)
+        (args.profile / f"profile_{variant}.txt").write_text(table)
     n_params = sum(t.numel() for bucket in backend.state_for_sync(1 << 40) for _, t in bucket)
     extra = " + separate proximal forward" if separate_proximal else ""
     return {
@@ -253,6 +271,9 @@ def main() -> None:
     )
     parser.add_argument("--check", action="store_true", help="compare varlen with sdpa first")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--profile", type=Path, help="write each variant's kernel table (one step) to this folder"
+    )
     args = parser.parse_args()
     path = build(Path(tempfile.mkdtemp(prefix="train-bench-")) / "model", args.layers)
     tokens = args.seqs * args.seq_len

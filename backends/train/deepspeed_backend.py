@@ -138,6 +138,7 @@ class DeepSpeedBackend(TrainBackend):
             chunk_size=self.cfg.logprob_chunk_size,
             logprob_backend=self.cfg.logprob_backend,
             padded_attention=self.cfg.padded_attention,
+            compile_layers=self.cfg.compile,
         )
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],

@@ -178,6 +178,7 @@ def load_policy(
     dtype: torch.dtype = torch.float32,
     logprob_backend: str = "auto",
     padded_attention: bool = False,
+    compile_layers: bool = False,
 ) -> PackedPolicy:
     """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
     from transformers import AutoModelForCausalLM
@@ -199,6 +200,8 @@ def load_policy(
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if compile_layers:
+        compile_decoder_layers(model)
     model.train()
     return PackedPolicy(
         model,
@@ -211,6 +214,24 @@ def load_policy(
         and attn_implementation != "flash_attention_2",
         varlen_attention=varlen,
     )
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """``torch.compile`` every decoder layer in place; returns how many were compiled.
+
+    Per layer rather than the whole model: the layers share one graph (compiled once, reused
+    24 times), the vocabulary head and the loss stay outside, and checkpointing and ZeRO-3
+    hooks wrap a layer exactly as before. Shapes are dynamic because every packed
+    micro-batch has its own length.
+    """
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(
+            f"train.compile needs a decoder with a `layers` list; {type(model).__name__} has none"
+        )
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 def hf_name(name: str) -> str:

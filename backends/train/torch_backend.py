@@ -78,6 +78,7 @@ class TorchBackend(TrainBackend):
             chunk_size=self.cfg.logprob_chunk_size,
             logprob_backend=self.cfg.logprob_backend,
             padded_attention=self.cfg.padded_attention,
+            compile_layers=self.cfg.compile,
         ).to(self._device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -85,6 +86,8 @@ class TorchBackend(TrainBackend):
             betas=tuple(self.cfg.betas),
             eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
+            # One kernel for the whole update on CUDA instead of a few per parameter group.
+            fused=self._device.type == "cuda",
         )
         self._step = 0
 

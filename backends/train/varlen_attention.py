@@ -27,8 +27,7 @@ import torch.nn.functional as F
 NAME = "varlen"
 
 
-@cache
-def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
+def _load_flash_varlen() -> tuple[Any, frozenset[str]] | None:
     """torch's ``varlen_attn`` and its keyword names, or None where this torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -37,9 +36,14 @@ def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+# Looked up once at import: under torch.compile the attention call then reads a constant
+# instead of tracing an import and ``inspect`` (each a graph break).
+_FLASH_VARLEN = _load_flash_varlen()
+
+
 def flash_available(device: torch.device) -> bool:
     """Whether ``varlen`` runs the flash kernel on ``device`` (else per-sequence SDPA)."""
-    return device.type == "cuda" and _flash_varlen() is not None
+    return device.type == "cuda" and _FLASH_VARLEN is not None
 
 
 def _flash(
@@ -51,9 +55,8 @@ def _flash(
     scale: float | None,
 ) -> torch.Tensor:
     """``[N, H, D]`` inputs through the flash varlen kernel, causal, GQA native."""
-    found = _flash_varlen()
-    assert found is not None
-    varlen_attn, params = found
+    assert _FLASH_VARLEN is not None
+    varlen_attn, params = _FLASH_VARLEN
     kwargs: dict[str, Any] = {"scale": scale}
     # The causal switch moved between torch releases: ``is_causal`` first, then a window.
     if "is_causal" in params:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,24 @@ def test_varlen_attention_equals_the_masked_packed_row_forward_and_backward(
     probe = [single(FIXED_SEQUENCE)]
     torch.testing.assert_close(
         varlen.forward_logprobs(probe), packed.forward_logprobs(probe), atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler on CPU")
+def test_compiled_decoder_layers_train_like_the_eager_model(tiny_model_dir: Path) -> None:
+    """``train.compile`` compiles the decoder layers and changes no number: logprobs and two
+    steps over micro-batches of different lengths (dynamic shapes) match the eager model."""
+    compiled = TorchBackend(tiny_model_dir, train_config(compile=True))
+    layers = compiled.model.policy.get_decoder().layers
+    assert all(hasattr(layer, "_compiled_call_impl") for layer in layers)
+    eager = TorchBackend(tiny_model_dir, train_config())
+    batches = micro_batches(64)[0]
+    assert len({b.num_tokens for b in batches}) > 1
+    torch.testing.assert_close(
+        compiled.forward_logprobs(batches), eager.forward_logprobs(batches), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        run_steps(compiled, batches, 2), run_steps(eager, batches, 2), rtol=1e-5, atol=1e-6
     )
 
 
