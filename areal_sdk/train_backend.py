@@ -21,7 +21,7 @@ and the number of loss tokens (``batch.loss_mask.sum()``) otherwise.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,8 +31,11 @@ if TYPE_CHECKING:
     from areal_sdk.packing import MicroBatch
 
 # loss_fn(logprobs [N], entropy [N] | None, batch) -> (scalar loss, metrics)
+# Metric values may be 0-d tensors: a backend reads them once per step (``metric_values``),
+# so the host never waits for the device between a micro-batch's forward and backward.
 LossFn = Callable[
-    [torch.Tensor, "torch.Tensor | None", "MicroBatch"], tuple[torch.Tensor, dict[str, float]]
+    [torch.Tensor, "torch.Tensor | None", "MicroBatch"],
+    tuple[torch.Tensor, Mapping[str, "float | torch.Tensor"]],
 ]
 NamedTensors = list[tuple[str, torch.Tensor]]
 

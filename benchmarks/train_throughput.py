@@ -93,6 +93,16 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
         ],
         False,
     ),
+    # One micro-batch per step (16 x 2k tokens): the host work per kernel halves again.
+    "varlen_compile_mb32k": (
+        [
+            "train.attn_implementation=varlen",
+            "train.gradient_checkpointing=false",
+            "train.compile=true",
+            "train.micro_batch_tokens=32768",
+        ],
+        False,
+    ),
     "padded": (
         [
             "train.attn_implementation=sdpa",
@@ -142,7 +152,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
     for _ in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        (mbs,) = pack_samples(batch, adv, args.micro_batch_tokens)
+        (mbs,) = pack_samples(batch, adv, cfg.train.micro_batch_tokens)
         if separate_proximal:
             for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
                 mb.proximal_logprobs = prox
@@ -153,7 +163,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            (mbs,) = pack_samples(batch, adv, args.micro_batch_tokens)
+            (mbs,) = pack_samples(batch, adv, cfg.train.micro_batch_tokens)
             backend.train_step(mbs, loss_fn)
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)

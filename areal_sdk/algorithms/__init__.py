@@ -17,6 +17,7 @@ from areal_sdk.algorithms.losses import (
     importance_weight,
     k3_kl,
     make_loss_fn,
+    metric_values,
     mismatch_keep_mask,
     ppo_clip_loss,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "importance_weight",
     "k3_kl",
     "make_loss_fn",
+    "metric_values",
     "mismatch_keep_mask",
     "ppo_clip_loss",
     "sample_advantages",

@@ -28,8 +28,9 @@ Every function takes flat [N] tensors aligned like ``MicroBatch.input_ids``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -140,10 +141,11 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def sequence_index(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[N] int64: which sequence each token belongs to."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens)
-    if seq.numel() != num_tokens:
-        raise ValueError(f"cu_seqlens covers {seq.numel()} tokens, tensors have {num_tokens}")
-    return seq
+    # Checked where it costs nothing; on a GPU the check would stall the host mid-step.
+    if cu_seqlens.device.type == "cpu" and int(lens.sum()) != num_tokens:
+        raise ValueError(f"cu_seqlens covers {int(lens.sum())} tokens, tensors have {num_tokens}")
+    index = torch.arange(lens.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(index, lens, output_size=num_tokens)
 
 
 def aggregate(
@@ -189,9 +191,29 @@ def aggregation_weight(mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: LossA
     return int((per_seq > 0).sum())
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    n = mask.sum()
-    return float((x * mask).sum() / n) if n > 0 else 0.0
+K = TypeVar("K")
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # 0 where nothing is masked in (the numerator is 0 then too).
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def metric_values(metrics: Mapping[K, float | torch.Tensor]) -> dict[K, float]:
+    """Metrics as floats, reading every tensor among them in one device-to-host copy.
+
+    The loss function returns its metrics as 0-d tensors so that a training step never waits
+    for the GPU between a micro-batch's forward and its backward; a backend reads them all
+    once, after the step's work is queued.
+    """
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        tensors = [metrics[k].detach().float().reshape(()) for k in keys]  # type: ignore[union-attr]
+        on = tensors[0].device
+        values = torch.stack([t.to(on) for t in tensors]).tolist()
+        out.update(zip(keys, values, strict=True))
+    return out
 
 
 @dataclass(frozen=True)
@@ -215,7 +237,7 @@ class PPOLossFn:
 
     def __call__(
         self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: MicroBatch
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         if logprobs.shape != batch.loss_mask.shape:
             raise ValueError(
@@ -265,7 +287,7 @@ class PPOLossFn:
         metrics = self._metrics(logprobs, entropy, batch, mask, loss_mask, proximal, behaviour)
         metrics.update(
             {
-                "loss": float(loss.detach()),
+                "loss": loss.detach(),
                 "clip_frac": _masked_mean(policy.clipped.float(), loss_mask),
                 "dual_clip_frac": _masked_mean(policy.dual_clipped.float(), loss_mask),
             }
@@ -283,21 +305,27 @@ class PPOLossFn:
         loss_mask: torch.Tensor,
         proximal: torch.Tensor,
         behaviour: torch.Tensor,
-    ) -> dict[str, float]:
-        n = float(mask.sum())
-        staleness = (self.current_version - batch.versions).float()
+    ) -> dict[str, torch.Tensor]:
+        n = mask.sum()
+        staleness = (self.current_version - batch.versions.to(mask.device)).float()
         sampled = mask > 0
+        seq = sequence_index(batch.cu_seqlens, mask.numel())
+        per_seq = torch.zeros(batch.cu_seqlens.numel() - 1, device=mask.device).index_add(
+            0, seq, sampled.float()
+        )
         metrics = {
             "n_tokens": n,
-            "n_seqs": float(aggregation_weight(mask, batch.cu_seqlens, "seq_mean_token_mean")),
-            "masked_frac": 1.0 - float(loss_mask.sum()) / n if n > 0 else 0.0,
+            "n_seqs": (per_seq > 0).sum().float(),
+            "masked_frac": torch.where(n > 0, 1.0 - loss_mask.sum() / n.clamp(min=1), 0.0),
             # KL(proximal || current) by k3: how far this update has moved the policy.
             "approx_kl": _masked_mean(k3_kl(logprobs.detach(), proximal), mask),
             # The train/inference mismatch plus staleness, as the engine saw it.
             "behaviour_kl": _masked_mean(binary_kl(behaviour, proximal), mask),
             "importance_weight": _masked_mean(importance_weight(proximal, behaviour), mask),
             "staleness_mean": _masked_mean(staleness, mask),
-            "staleness_max": float(staleness[sampled].max()) if n > 0 else 0.0,
+            "staleness_max": torch.where(
+                n > 0, staleness.masked_fill(~sampled, float("-inf")).max(), 0.0
+            ),
         }
         if entropy is not None:
             metrics["entropy"] = _masked_mean(entropy.detach().float(), mask)

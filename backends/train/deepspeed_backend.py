@@ -24,14 +24,20 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from areal_sdk.backends.train.policy import hf_name, load_policy, merge_metrics, plan_buckets
+from areal_sdk.backends.train.policy import (
+    hf_name,
+    load_policy,
+    merge_metrics,
+    plan_buckets,
+    read_step_metrics,
+)
 from areal_sdk.backends.train.torch_backend import META_FILE, model_path_of, read_meta
 
 from areal_sdk.config import TrainConfig
@@ -231,8 +237,8 @@ class DeepSpeedBackend(TrainBackend):
             # Nothing to learn from on any rank (all padding): every rank skips alike.
             return {"loss": 0.0, "grad_norm": 0.0, "lr": lr, "skipped": 1.0, "tokens": 0.0}
         self.engine.train()
-        parts: list[tuple[float, dict[str, float]]] = []
-        step_loss = 0.0
+        parts: list[tuple[float, Mapping[str, float | torch.Tensor]]] = []
+        losses: list[torch.Tensor] = []
         for i, (batch, weight) in enumerate(zip(batches, weights, strict=True)):
             share = weight / total
             self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
@@ -241,12 +247,13 @@ class DeepSpeedBackend(TrainBackend):
             loss, metrics = loss_fn(logprobs.float(), entropy, mb)
             self.engine.backward(loss * (share * world), scale_wrt_gas=False)
             self.engine.step()
-            step_loss += share * float(loss.detach())
+            losses.append(loss)
             parts.append((share, metrics))
+        read, step_loss = read_step_metrics(parts, losses)
         self._step += 1
         grad_norm = self.engine.get_global_grad_norm()
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (parts, step_loss, sum(b.num_tokens for b in batches)))
+        dist.all_gather_object(gathered, (read, step_loss, sum(b.num_tokens for b in batches)))
         metrics = merge_metrics([p for rank_parts, _, _ in gathered for p in rank_parts])
         metrics.update(
             {

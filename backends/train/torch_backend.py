@@ -14,12 +14,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from areal_sdk.backends.train.policy import hf_name, load_policy, merge_metrics, plan_buckets
+from areal_sdk.backends.train.policy import (
+    hf_name,
+    load_policy,
+    merge_metrics,
+    plan_buckets,
+    read_step_metrics,
+)
 
 from areal_sdk.config import TrainConfig
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
@@ -139,17 +145,18 @@ class TorchBackend(TrainBackend):
         total = sum(weights)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        parts: list[tuple[float, dict[str, float]]] = []
-        step_loss = 0.0
+        parts: list[tuple[float, Mapping[str, float | torch.Tensor]]] = []
+        losses: list[torch.Tensor] = []
         for batch, weight in zip(batches, weights, strict=True):
             share = weight / total if total > 0 else 0.0
             mb = batch.to(self._device)
             logprobs, entropy = self._run(mb, with_entropy=True)
             loss, metrics = loss_fn(logprobs.float(), entropy, mb)
             (loss * share).backward()
-            step_loss += share * float(loss.detach())
+            losses.append(loss)
             parts.append((share, metrics))
-        metrics = merge_metrics(parts)
+        read, step_loss = read_step_metrics(parts, losses)
+        metrics = merge_metrics(read)
         metrics.update(self._apply_gradients(skip=total <= 0))
         metrics["loss"] = step_loss
         metrics["tokens"] = float(sum(b.num_tokens for b in batches))

@@ -14,6 +14,7 @@ from areal_sdk.algorithms import (
     importance_weight,
     k3_kl,
     make_loss_fn,
+    metric_values,
     mismatch_keep_mask,
     ppo_clip_loss,
 )
@@ -22,6 +23,12 @@ from areal_sdk.packing import MicroBatch, pack_samples
 from areal_sdk.samples import TrainingSample
 
 ln = math.log
+
+
+def run_loss(result):  # type: ignore[no-untyped-def]
+    """(loss, metrics as floats): the metrics come back as tensors, read once by a backend."""
+    loss, metrics = result
+    return loss, metric_values(metrics)
 
 
 def t(*xs: float) -> torch.Tensor:
@@ -153,7 +160,7 @@ def _one_batch() -> MicroBatch:
 def test_decoupled_loss_by_hand():
     mb = _one_batch()
     logp = torch.tensor(CURRENT, requires_grad=True)
-    loss, m = make_loss_fn(AlgorithmConfig(), current_version=5)(logp, torch.ones(5), mb)
+    loss, m = run_loss(make_loss_fn(AlgorithmConfig(), current_version=5)(logp, torch.ones(5), mb))
     assert loss.item() == pytest.approx(0.1, abs=1e-6)
     assert m["clip_frac"] == pytest.approx(1 / 3)
     assert m["masked_frac"] == 0.0
@@ -169,7 +176,7 @@ def test_decoupled_loss_by_hand():
 def test_ratio_token_mask_drops_gradient_but_keeps_the_denominator():
     # upper 1.5 masks tok4 (w = 2): (-1.2 - 0.5) / 3 = -0.566667, masked fraction 1/3
     cfg = AlgorithmConfig(token_mask=TokenMaskConfig(metric="ratio", lower=0.5, upper=1.5))
-    loss, m = make_loss_fn(cfg, 5)(torch.tensor(CURRENT), None, _one_batch())
+    loss, m = run_loss(make_loss_fn(cfg, 5)(torch.tensor(CURRENT), None, _one_batch()))
     assert loss.item() == pytest.approx(-1.7 / 3, abs=1e-6)
     assert m["masked_frac"] == pytest.approx(1 / 3)
 
@@ -178,7 +185,7 @@ def test_kl_token_mask():
     # binary KL(behaviour || proximal): tok1 0, tok2 (p .5, q .25) 0.143841, tok4 (p .25, q .5)
     # 0.130812. upper 0.135 masks tok2 only: (-1.2 + 2) / 3 = 0.266667
     cfg = AlgorithmConfig(token_mask=TokenMaskConfig(metric="kl", upper=0.135))
-    loss, m = make_loss_fn(cfg, 5)(torch.tensor(CURRENT), None, _one_batch())
+    loss, m = run_loss(make_loss_fn(cfg, 5)(torch.tensor(CURRENT), None, _one_batch()))
     assert loss.item() == pytest.approx(0.8 / 3, abs=1e-6)
     assert m["masked_frac"] == pytest.approx(1 / 3)
 
@@ -196,7 +203,7 @@ def test_non_decoupled_ratio_is_against_behaviour_with_dual_clip():
     # tok4 0.5/0.25 = 2, A=-1: max(2, 0.8) = 2, dual clip 1.5 -> 1.5
     # (-1.2 - 0.5 + 1.5) / 3 = -0.0666667
     cfg = AlgorithmConfig(decoupled=False, dual_clip=1.5)
-    loss, m = make_loss_fn(cfg, 5)(torch.tensor(CURRENT), None, _one_batch())
+    loss, m = run_loss(make_loss_fn(cfg, 5)(torch.tensor(CURRENT), None, _one_batch()))
     assert loss.item() == pytest.approx(-0.2 / 3, abs=1e-6)
     assert m["dual_clip_frac"] == pytest.approx(1 / 3)
 
@@ -208,7 +215,9 @@ def test_reference_kl_term():
     ref = torch.tensor(CURRENT)
     ref[1] += ln(2)
     mb.ref_logprobs = ref
-    loss, m = make_loss_fn(AlgorithmConfig(kl_coef=0.1), 5)(torch.tensor(CURRENT), None, mb)
+    loss, m = run_loss(
+        make_loss_fn(AlgorithmConfig(kl_coef=0.1), 5)(torch.tensor(CURRENT), None, mb)
+    )
     assert loss.item() == pytest.approx(0.1 + 0.1 * 0.306853 / 3, abs=1e-6)
     assert m["ref_kl"] == pytest.approx(0.306853 / 3, abs=1e-6)
     with pytest.raises(ValueError, match="ref_logprobs"):
@@ -227,7 +236,7 @@ def test_without_proximal_the_current_policy_is_proximal():
     # (-1 * 1.5 - 1 * 0.5 + 1 * 2) / 3 = 0
     mb = _one_batch()
     mb.proximal_logprobs = None
-    loss, m = make_loss_fn(AlgorithmConfig(), 5)(torch.tensor(CURRENT), None, mb)
+    loss, m = run_loss(make_loss_fn(AlgorithmConfig(), 5)(torch.tensor(CURRENT), None, mb))
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
     assert m["clip_frac"] == 0.0 and m["approx_kl"] == 0.0
 
@@ -257,7 +266,7 @@ def test_padding_micro_batch_contributes_nothing():
     ranks = pack_samples(_samples()[:1], [1.0], max_tokens=16, num_ranks=2)
     pad = ranks[1][0]
     logp = torch.zeros(1, requires_grad=True)
-    loss, m = make_loss_fn(AlgorithmConfig(), 5)(logp, None, pad)
+    loss, m = run_loss(make_loss_fn(AlgorithmConfig(), 5)(logp, None, pad))
     loss.backward()
     assert loss.item() == 0.0 and logp.grad.tolist() == [0.0]
     assert make_loss_fn(AlgorithmConfig(), 5).weight(pad) == 0 and m["n_tokens"] == 0
