@@ -217,12 +217,23 @@ class RolloutController:
         return summary
 
     async def run_group(
-        self, task: dict[str, Any], *, metadata: dict[str, Any] | None = None
+        self,
+        task: dict[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        group_id: str | None = None,
+        samples: Sequence[int] | None = None,
     ) -> list[Episode]:
-        """One GRPO group: ``group_size`` final episodes of the same task."""
-        group_id = f"grp-{task['id']}-{uuid.uuid4().hex[:8]}"
+        """One GRPO group: ``group_size`` final episodes of the same task, each with its
+        sample index in ``metadata["sample"]``. ``group_id`` and ``samples`` run only some
+        samples of an existing group, to complete one that a crash cut short."""
+        group_id = group_id or f"grp-{task['id']}-{uuid.uuid4().hex[:8]}"
+        indices = range(self.group_size) if samples is None else samples
         results = await asyncio.gather(
-            *(self.run_one(task, group_id, metadata=metadata) for _ in range(self.group_size))
+            *(
+                self.run_one(task, group_id, metadata={**(metadata or {}), "sample": i})
+                for i in indices
+            )
         )
         return [attempts[-1] for attempts in results]
 

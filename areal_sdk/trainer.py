@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from areal_sdk.staleness import StalenessController
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.train_backend import TrainBackend
 from areal_sdk.trajectory import Episode, EpisodeStatus
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingError(RuntimeError):
@@ -59,6 +62,16 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [e.reward or 0.0 for e in self.ok]
+
+
+@dataclass
+class Leftover:
+    """An accepted, untrained group of a resumed run. A crash while the group ran leaves it
+    partial: its ``missing`` sample indices of task ``task_id`` run before it trains."""
+
+    group: Group
+    task_id: str
+    missing: list[int] = field(default_factory=list)
 
 
 class GroupBuffer:
@@ -130,32 +143,65 @@ class AsyncTrainer:
 
     # -- producer ------------------------------------------------------------------------------
 
-    async def _produce(self, tasks: Iterator[dict[str, Any]], leftovers: Sequence[Group]) -> None:
-        """Queue ``leftovers`` (finished groups of a resumed run) first, then start a group
-        whenever admission control has room for all of its episodes."""
-        for group in leftovers:
-            for _ in group.episodes:
-                await self.staleness.acquire()
-            self.buffer.put(group)
+    async def _produce(
+        self,
+        tasks: Iterator[dict[str, Any]],
+        leftovers: Sequence[Leftover],
+        by_id: Mapping[str, dict[str, Any]],
+    ) -> None:
+        """Queue ``leftovers`` (accepted groups of a resumed run) first, completing partial
+        ones, then start a group whenever admission control has room for all of its
+        episodes."""
         in_flight: set[asyncio.Task[None]] = set()
+
+        def start(run: Coroutine[Any, Any, None]) -> None:
+            job = asyncio.create_task(run)
+            in_flight.add(job)
+            job.add_done_callback(in_flight.discard)
+
         try:
+            for left in leftovers:
+                left_task = by_id.get(left.task_id)
+                if left.missing and left_task is None:
+                    logger.warning(
+                        "leftover group %s is missing samples %s of task %r, which the data "
+                        "no longer has: not trained",
+                        left.group.group_id,
+                        left.missing,
+                        left.task_id,
+                    )
+                    continue
+                # A completed group trains group_size episodes, so it holds as many slots.
+                for _ in range(len(left.group.episodes) + len(left.missing)):
+                    await self.staleness.acquire()
+                if left_task is not None and left.missing:
+                    start(self._run_group(left_task, self.staleness.version, left))
+                else:
+                    self.buffer.put(left.group)
             for task in tasks:
                 for _ in range(self.group_size):
                     await self.staleness.acquire()
-                start_version = self.staleness.version
-                job = asyncio.create_task(self._run_group(task, start_version))
-                in_flight.add(job)
-                job.add_done_callback(in_flight.discard)
+                start(self._run_group(task, self.staleness.version))
                 self.groups_started += 1
         finally:
             for job in in_flight:
                 job.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def _run_group(self, task: dict[str, Any], start_version: int) -> None:
-        episodes = await self.controller.run_group(task, metadata={"start_version": start_version})
+    async def _run_group(
+        self, task: dict[str, Any], start_version: int, leftover: Leftover | None = None
+    ) -> None:
+        """A new group, or the missing samples of ``leftover`` under its group id; either way
+        the whole group goes to the buffer."""
+        episodes = await self.controller.run_group(
+            task,
+            metadata={"start_version": start_version},
+            group_id=leftover.group.group_id if leftover else None,
+            samples=leftover.missing if leftover else None,
+        )
         self._rollout_tokens += sum(e.num_tokens for e in episodes)
-        self.buffer.put(Group(episodes[0].group_id or "", episodes))
+        kept = leftover.group.episodes if leftover else []
+        self.buffer.put(Group(episodes[0].group_id or "", [*kept, *episodes]))
 
     # -- trainer -------------------------------------------------------------------------------
 
@@ -242,13 +288,15 @@ class AsyncTrainer:
         return report
 
     async def train(
-        self, tasks: Sequence[dict[str, Any]], *, leftovers: Sequence[Group] = ()
+        self, tasks: Sequence[dict[str, Any]], *, leftovers: Sequence[Leftover] = ()
     ) -> list[StepReport]:
         """Train from the backend's current step to ``run.steps``; ``leftovers`` (accepted,
-        untrained groups of a resumed run) are trained before new rollouts."""
+        untrained groups of a resumed run, partial ones completed on their task in ``tasks``)
+        are trained before new rollouts."""
         first = self.backend.step
+        by_id = {str(task["id"]): task for task in tasks}
         producer = asyncio.create_task(
-            self._produce(cycle_tasks(tasks, start=first * self.groups_per_step), leftovers)
+            self._produce(cycle_tasks(tasks, start=first * self.groups_per_step), leftovers, by_id)
         )
         reports = []
         try:

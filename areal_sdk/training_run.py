@@ -6,13 +6,15 @@ directory holds the trajectory store, metrics (JSONL, TensorBoard), the reward c
 checkpoints and ``eval.json``.
 
 Resuming (``resume=True``) loads the newest checkpoint, forgets consumption by steps whose
-update was lost with the crash, and trains the accepted but untrained episodes first, so no
-accepted episode is lost and none is trained twice.
+update was lost with the crash, and trains the accepted but untrained episodes first
+(completing the groups the crash cut short), so no accepted episode is lost and none is
+trained twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -34,7 +36,8 @@ from areal_sdk.store import STORE_FILENAME, TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import check_agent_entry, load_agent, load_tasks
 from areal_sdk.train_backend import TrainBackend
-from areal_sdk.trainer import AsyncTrainer, Group, StepReport, TrainingError
+from areal_sdk.trainer import AsyncTrainer, Group, Leftover, StepReport, TrainingError
+from areal_sdk.trajectory import Episode, EpisodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +91,47 @@ class WeightPusher:
             )
 
 
-def _leftover_groups(store: TrajectoryStore, *, oldest_version: int) -> list[Group]:
-    """Accepted episodes of the training run that no step consumed and that are still fresh
-    enough to train (started under ``oldest_version`` or later), as their groups."""
-    by_group: dict[str, list[Any]] = defaultdict(list)
+def _final_samples(episodes: list[Episode], retries: int) -> dict[int, Episode]:
+    """Sample index -> its final episode, of one group's ``episodes`` in order of storage.
+
+    A failed attempt with retries left was followed by another or cut short by the crash:
+    either way it is not final. Episodes stored before samples were numbered count as one
+    sample each, in order (best effort)."""
+    final: dict[int, Episode] = {}
+    unnumbered: list[Episode] = []
+    for e in episodes:
+        if e.status != EpisodeStatus.OK and int(e.metadata.get("attempt", 0)) < retries:
+            continue
+        if "sample" in e.metadata:
+            final[int(e.metadata["sample"])] = e  # a later attempt replaces an earlier one
+        else:
+            unnumbered.append(e)
+    free = (i for i in itertools.count() if i not in final)
+    for e in unnumbered:
+        final[next(free)] = e
+    return final
+
+
+def _leftover_groups(
+    store: TrajectoryStore, *, oldest_version: int, group_size: int, retries: int
+) -> list[Leftover]:
+    """Groups of the training run that no step consumed and that are still fresh enough to
+    train (started under ``oldest_version`` or later), each with the sample indices it lacks:
+    episodes are stored one by one, so a crash can leave a group partial."""
+    by_group: dict[str, list[Episode]] = defaultdict(list)
     for episode in store.iter(run_id=TRAIN_RUN, consumed=False):
-        if int(episode.metadata.get("start_version", 0)) >= oldest_version:
-            by_group[episode.group_id or episode.id].append(episode)
-    return [Group(gid, eps) for gid, eps in by_group.items()]
+        by_group[episode.group_id or episode.id].append(episode)
+    leftovers = []
+    for gid, episodes in by_group.items():
+        if min(int(e.metadata.get("start_version", 0)) for e in episodes) < oldest_version:
+            continue
+        if store.count(group_id=gid, consumed=True):
+            continue  # trained; these are failed attempts that its final ones replaced
+        final = _final_samples(episodes, retries)
+        missing = [i for i in range(group_size) if i not in final]
+        group = Group(gid, [final[i] for i in sorted(final)])
+        leftovers.append(Leftover(group, episodes[0].task_id, missing))
+    return leftovers
 
 
 def _weights_of(backend: TrainBackend) -> Callable[[], Any]:
@@ -210,7 +246,7 @@ class TrainingRun:
         backend: TrainBackend = await asyncio.to_thread(
             self.host.train_backend(cfg.train.backend), cfg
         )
-        leftovers: list[Group] = []
+        leftovers: list[Leftover] = []
         if self.resume:
             # From the newest checkpoint, or from the start when the run died before its first.
             latest = self.checkpoints.latest()
@@ -219,13 +255,18 @@ class TrainingRun:
             start = latest.step if latest is not None else 0
             released = store.release_consumed_from(start)
             leftovers = _leftover_groups(
-                store, oldest_version=backend.version - cfg.rollout.max_staleness
+                store,
+                oldest_version=backend.version - cfg.rollout.max_staleness,
+                group_size=cfg.rollout.group_size,
+                retries=cfg.rollout.retries,
             )
             result.resumed_from = start
-            result.refed_episodes = sum(len(g.episodes) for g in leftovers)
+            result.refed_episodes = sum(len(left.group.episodes) for left in leftovers)
+            partial = sum(1 for left in leftovers if left.missing)
             self.on_event(
                 f"resumed from step {start}: {released} episodes of lost steps released, "
-                f"{result.refed_episodes} accepted episodes queued to train first"
+                f"{result.refed_episodes} accepted episodes queued to train first "
+                f"({partial} partial groups to complete)"
             )
         self.on_event("starting the engine and the gateway")
         stack = self.stack = LocalStack(cfg, store, host=self.host, on_restart=self.on_event)

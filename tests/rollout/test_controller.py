@@ -101,7 +101,13 @@ def test_run_group_shares_a_group_and_metadata(tmp_path):
     )
     assert len(group) == 3 and len({e.group_id for e in group}) == 1
     assert all(e.metadata["start_version"] == 4 for e in group)
+    assert [e.metadata["sample"] for e in group] == [0, 1, 2]
     assert sorted(seen) == sorted(e.id for e in group) == sorted(e.id for e in store.query())
+    # Only some samples of an existing group: what completing a group cut short runs.
+    rest = asyncio.run(
+        controller.run_group({"id": "t", "score": 1}, group_id=group[0].group_id, samples=[2])
+    )
+    assert [(e.group_id, e.metadata["sample"]) for e in rest] == [(group[0].group_id, 2)]
 
 
 def test_load_tasks_and_agent(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from areal_sdk.config import load_config
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.training_run import RunError, TrainingRun
+from areal_sdk.trajectory import Episode, EpisodeStatus
 
 
 def _run(config_path, *overrides, resume=False):
@@ -140,3 +141,52 @@ def test_dynamic_filtering_trains_only_groups_whose_rewards_differ(run_config):
         untrained.setdefault(e.group_id, []).append(e.reward)
     flat = [g for g, rewards in untrained.items() if len(rewards) == 2 and len(set(rewards)) == 1]
     assert dropped <= len(flat)
+
+
+def test_a_resumed_run_completes_a_group_the_crash_cut_short(run_config, caplog):
+    """A group with one of its two samples stored (the process died while the other ran) is
+    completed on its task under the same group id before it trains, never trained as a group
+    of one; a partial group whose task left the data is not trained."""
+    path = run_config(run={"steps": 2}, eval={"after": False})
+    _run(path, "run.steps=0")  # stores the initial policy's held-out episodes only
+    cfg = load_config(path)
+    store = TrajectoryStore(cfg.run.dir, run_id="train")
+    sampled = store.query(run_id="eval-initial")[0]  # real turns of the task's prompt
+
+    def cut_short(task_id, group_id):
+        metadata = {"start_version": 0, "sample": 1, "attempt": 0}
+        episode = Episode(
+            task_id=task_id,
+            group_id=group_id,
+            reward=sampled.reward,
+            metadata=metadata,
+            turns=sampled.turns,
+        )
+        store.append(episode)
+        return episode
+
+    kept = cut_short(sampled.task_id, "grp-cut")
+    orphan = cut_short("no-such-task", "grp-orphan")
+    events: list[str] = []
+    run = TrainingRun(cfg, config_dir=path.parent, resume=True, on_event=events.append)
+    result = asyncio.run(run.run())
+    assert result.steps == 2 and result.refed_episodes == 2
+    assert any("(2 partial groups to complete)" in e for e in events), events
+    assert "no longer has" in caplog.text and "grp-orphan" in caplog.text
+
+    _, consumed = _consumed(cfg)
+    assert Counter(step for _, step in consumed) == {0: 4, 1: 4}
+    group = sorted(store.query(group_id="grp-cut"), key=lambda e: e.metadata["sample"])
+    assert [e.metadata["sample"] for e in group] == [0, 1] and group[1].id == kept.id
+    assert group[0].task_id == sampled.task_id and group[0].metadata["start_version"] == 0
+    assert group[0].status == EpisodeStatus.OK and group[0].turns
+    steps = {e.id: s for e, s in consumed}
+    assert group[0].id in steps and steps[group[0].id] == steps[kept.id]
+    # Every trained group is whole: two samples, trained by one step.
+    by_group: dict[str, list[tuple[int, int]]] = {}
+    for e, s in consumed:
+        by_group.setdefault(e.group_id, []).append((e.metadata["sample"], s))
+    assert all(
+        sorted(i for i, _ in v) == [0, 1] and len({s for _, s in v}) == 1 for v in by_group.values()
+    )
+    assert store.query(group_id="grp-orphan") == [orphan] and orphan.id not in steps
