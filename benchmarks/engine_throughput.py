@@ -199,9 +199,10 @@ def check(device: str) -> dict:
     model = build_model("tiny", device, torch.float32)
     ref = build_model("tiny", device, torch.float32)
     ref.load_state_dict(model.state_dict())
-    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=8, max_model_len=128))
-    base = prompts(1, 60, engine.vocab_size, 3)[0]
-    batch = [base[: 5 + 7 * i] for i in range(8)]
+    # Lengths 5..215 (+24 new): decode graphs of the 128 and 256 cache-length buckets.
+    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=8, max_model_len=512))
+    base = prompts(1, 240, engine.vocab_size, 3)[0]
+    batch = [base[: 5 + 30 * i] for i in range(8)]
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
 

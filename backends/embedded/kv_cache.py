@@ -101,8 +101,9 @@ def slot_attention(
         keys = k_cache[:rows, :, : step.kv_len]
         values = v_cache[:rows, :, : step.kv_len]
     else:
-        keys = k_cache.index_select(0, step.slots)[:, :, : step.kv_len]
-        values = v_cache.index_select(0, step.slots)[:, :, : step.kv_len]
+        # Slice before gathering: only the first kv_len positions of each row are copied.
+        keys = k_cache[:, :, : step.kv_len].index_select(0, step.slots)
+        values = v_cache[:, :, : step.kv_len].index_select(0, step.slots)
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     mask = step.mask

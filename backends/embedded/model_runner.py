@@ -4,13 +4,18 @@ The model's modules are used as they are; only attention is swapped for ``areal_
 (see ``kv_cache``). ``forward`` takes rows of new tokens, each row belonging to one slot and
 starting at that slot's next position, and returns float32 logits for the positions the
 caller asks for. On CUDA, decode steps (one token per row, rows = slots ``0..B-1``) replay
-CUDA graphs captured per batch-size bucket, which removes the per-layer launch overhead.
+CUDA graphs captured per batch-size bucket and cache-length bucket, which removes the
+per-layer launch overhead. The cache-length bucket matters as much as the batch one: a decode
+step's attention reads every row's cache up to the graph's length, so a graph over the whole
+``max_len`` makes each step cost rows x max_len however short the sequences are, and more
+concurrent requests then buy no throughput.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from areal_sdk.backends.embedded.kv_cache import ATTN_IMPLEMENTATION, SlotKVCache, StepContext
@@ -70,11 +75,19 @@ class ModelRunner:
         self._lm_head = model.get_output_embeddings()
         self._positions = torch.arange(max_len + 1, device=self.device)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        # Graphs replay one at a time on the engine thread and their logits are copied out
+        # before the next replay, so all of them can share one memory pool.
+        self._graph_pool: Any = None  # torch.cuda.graph_pool_handle()
         self.graph_error: str | None = None
         self._graph_buckets: list[int] = []
+        self._kv_buckets = kv_len_buckets(max_len)
         if use_graphs:
             self._graph_buckets = _buckets(num_slots)
+            # Every graph now, before a trainer shares the device: a capture is invalidated
+            # by CUDA work that another thread does while it runs, and lazily capturing a
+            # new bucket mid-run would race the training step.
+            self.capture_graphs()
 
     @staticmethod
     def _set_attention(model: torch.nn.Module) -> None:
@@ -145,11 +158,14 @@ class ModelRunner:
         ids[slot_t] = torch.tensor(tokens, dtype=torch.long)
         pos[slot_t] = torch.tensor(positions, dtype=torch.long)
         write[slot_t] = pos[slot_t]
-        graph = self._graph(bucket) if bucket is not None else None
+        kv_needed = max(positions) + 1
+        graph = None
+        if bucket is not None:
+            graph = self._graph(bucket, next(b for b in self._kv_buckets if b >= kv_needed))
         if graph is not None:
             logits = graph.run(ids, pos, write)
         else:
-            logits = self._decode_eager(ids, pos, write, kv_len=int(pos.max()) + 1)
+            logits = self._decode_eager(ids, pos, write, kv_len=kv_needed)
         return logits.index_select(0, slot_t.to(self.device)).float()
 
     def _decode_eager(
@@ -185,11 +201,14 @@ class ModelRunner:
         )
         return out.last_hidden_state
 
-    def _graph(self, bucket: int) -> _DecodeGraph | None:
-        graph = self._graphs.get(bucket)
+    def _graph(self, rows: int, kv_len: int) -> _DecodeGraph | None:
+        graph = self._graphs.get((rows, kv_len))
         if graph is None:
             try:
-                graph = self._graphs[bucket] = _DecodeGraph(self, bucket)
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                graph = _DecodeGraph(self, rows, kv_len, self._graph_pool)
+                self._graphs[rows, kv_len] = graph
             except Exception as exc:  # a model whose forward cannot be captured runs eagerly
                 log.warning("CUDA graph capture failed (%r); decoding eagerly", exc)
                 self.graph_error = repr(exc)
@@ -200,15 +219,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """Capture the decode graph of every batch-size bucket now (first use does it
-        lazily); returns how many were captured. A no-op without CUDA graphs."""
+        """Capture the decode graph of every batch-size and cache-length bucket (the runner
+        does it when built; after ``drop_graphs`` first use does it lazily); returns how
+        many are captured. A no-op without CUDA graphs."""
         for bucket in list(self._graph_buckets):
-            self._graph(bucket)
+            for kv_len in self._kv_buckets:
+                if self._graph(bucket, kv_len) is None:
+                    return 0  # capture failed: the runner decodes eagerly from now on
         return len(self._graphs)
 
     def drop_graphs(self) -> None:
         """Forget captured graphs. Weight updates copy in place, so they never need this."""
         self._graphs.clear()
+
+
+def kv_len_buckets(max_len: int) -> list[int]:
+    """Cache lengths a decode graph attends over: powers of two from 128, then the whole
+    cache (``max_len`` + 1, the scratch column included). A step uses the smallest that
+    covers its longest sequence, so it reads at most twice the cache it needs."""
+    full = max_len + 1
+    out, size = [], 128
+    while size < full:
+        out.append(size)
+        size *= 2
+    return [*out, full]
 
 
 def _buckets(num_slots: int) -> list[int]:
@@ -221,13 +255,12 @@ def _buckets(num_slots: int) -> list[int]:
 class _DecodeGraph:
     """A CUDA graph of one decode step for ``width`` rows, attending over the full cache."""
 
-    def __init__(self, runner: ModelRunner, width: int) -> None:
+    def __init__(self, runner: ModelRunner, width: int, kv_len: int, pool: Any) -> None:
         dev = runner.device
         self.runner = runner
         self.ids = torch.zeros(width, dtype=torch.long, device=dev)
         self.pos = torch.zeros(width, dtype=torch.long, device=dev)
         self.write = torch.full((width,), runner.cache.scratch, dtype=torch.long, device=dev)
-        kv_len = runner.max_len + 1
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -235,9 +268,11 @@ class _DecodeGraph:
                 runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (a trainer on the same device) do not
+        # invalidate this capture; only this thread's own unsafe calls would.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.logits = runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
-        log.info("captured a decode CUDA graph for %d rows", width)
+        log.info("captured a decode CUDA graph for %d rows over %d positions", width, kv_len)
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids, non_blocking=True)

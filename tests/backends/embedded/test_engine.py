@@ -254,3 +254,16 @@ async def test_generate_after_close_raises(tiny_model_dir) -> None:
     await never_started.close()
     with pytest.raises(EngineClosedError):
         await asyncio.wait_for(never_started.generate([1, 2], GREEDY), 5)
+
+
+@pytest.mark.parametrize("max_len", [16, 127, 128, 1000, 4096])
+def test_decode_cache_length_buckets_cover_every_step_at_most_twice_over(max_len: int) -> None:
+    """A decode graph attends over its bucket's cache length: every step's longest sequence
+    fits in some bucket, and the one chosen reads at most twice what it needs (or 128)."""
+    from areal_sdk.backends.embedded.model_runner import kv_len_buckets
+
+    buckets = kv_len_buckets(max_len)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_len + 1
+    for needed in range(1, max_len + 2):
+        chosen = next(b for b in buckets if b >= needed)
+        assert chosen <= max(128, 2 * needed)
