@@ -38,7 +38,12 @@ from areal_sdk.backends.train.policy import (
     plan_buckets,
     read_step_metrics,
 )
-from areal_sdk.backends.train.torch_backend import META_FILE, model_path_of, read_meta
+from areal_sdk.backends.train.torch_backend import (
+    META_FILE,
+    model_path_of,
+    read_meta,
+    use_bf16,
+)
 
 from areal_sdk.config import TrainConfig
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
@@ -102,13 +107,14 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def deepspeed_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The DeepSpeed JSON config for ``cfg`` (``train.deepspeed`` merged over it)."""
+def deepspeed_config(cfg: TrainConfig, *, bf16: bool | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON config for ``cfg`` (``train.deepspeed`` merged over it); ``bf16``
+    overrides ``cfg.bf16`` (float32 where the device has no native bf16)."""
     base: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
-        "bf16": {"enabled": cfg.bf16},
+        "bf16": {"enabled": cfg.bf16 if bf16 is None else bf16},
         "zero_optimization": {"stage": cfg.zero_stage},
         # A client torch.optim.AdamW: no op to build; DeepSpeed asks for this flag under ZeRO.
         "zero_allow_untested_optimizer": True,
@@ -156,7 +162,7 @@ class DeepSpeedBackend(TrainBackend):
         self.engine, self.optimizer, _, _ = self._ds.initialize(
             model=model,
             optimizer=optimizer,
-            config=deepspeed_config(self.cfg),
+            config=deepspeed_config(self.cfg, bf16=use_bf16(self.cfg.bf16, device)),
             dist_init_required=False,
         )
         self._step = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -30,6 +31,8 @@ from areal_sdk.backends.train.policy import (
 from areal_sdk.config import TrainConfig
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from areal_sdk.config import Config
     from areal_sdk.packing import MicroBatch
@@ -43,6 +46,33 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device is {name!r} but CUDA is not available here")
     return device
+
+
+def bf16_runs_fast(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products are native on ``device``.
+
+    Always on CUDA. On a CPU only with AVX512-BF16 or AMX: elsewhere torch falls back to a
+    scalar kernel that runs a bf16 product 30-60x slower than float32 (a training step of
+    SmolLM2-135M took 5 minutes instead of 10 seconds on an AVX2-only EPYC).
+    """
+    if device.type != "cpu":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def use_bf16(requested: bool, device: torch.device) -> bool:
+    """``train.bf16`` as it can run here: on a CPU without native bf16, float32 instead."""
+    if requested and not bf16_runs_fast(device):
+        log.warning(
+            "train.bf16 is set, but this CPU has no native bfloat16 matrix products "
+            "(AVX512-BF16 or AMX), where they run tens of times slower than float32: "
+            "training in float32"
+        )
+        return False
+    return requested
 
 
 def model_path_of(config: Config) -> str:
@@ -75,6 +105,7 @@ class TorchBackend(TrainBackend):
     ) -> None:
         self.cfg = train or TrainConfig()
         self._device = resolve_device(self.cfg.device)
+        self.bf16 = use_bf16(self.cfg.bf16, self._device)
         self.initial_version = initial_version
         self.model = load_policy(
             model_path,
@@ -113,7 +144,7 @@ class TorchBackend(TrainBackend):
         return self._device
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if not self.cfg.bf16:
+        if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(self._device.type, dtype=torch.bfloat16)
 

@@ -217,3 +217,19 @@ def test_the_update_s_own_forward_gives_the_proximal_logprobs_of_a_separate_pass
     torch.testing.assert_close(
         separate.forward_logprobs(probe), fused.forward_logprobs(probe), atol=1e-5, rtol=0
     )
+
+
+def test_bf16_on_a_cpu_without_native_bf16_trains_in_float32(tiny_model_dir: Path, caplog) -> None:
+    """``train.bf16`` autocasts only where bf16 products are native: on an AVX2-only CPU a
+    bf16 matmul takes a scalar path tens of times slower than float32, which turned a
+    minutes-long CPU run into hours."""
+    from areal_sdk.backends.train.torch_backend import bf16_runs_fast
+
+    with caplog.at_level("WARNING"):
+        backend = TorchBackend(tiny_model_dir, train_config(bf16=True))
+    native = bf16_runs_fast(torch.device("cpu"))
+    assert backend.bf16 is native
+    assert ("no native bfloat16" in caplog.text) is not native
+    assert TorchBackend(tiny_model_dir, train_config(bf16=False)).bf16 is False
+    batches = micro_batches(64)[0]
+    assert all(torch.isfinite(lp).all() for lp in backend.forward_logprobs(batches))
