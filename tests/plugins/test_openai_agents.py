@@ -151,6 +151,34 @@ def test_eight_threaded_episodes_without_cross_talk(host, scope, gateway):
     _assert_no_cross_talk(scope, gateway)
 
 
+def test_the_default_provider_runs_on_any_event_loop(host, scope, gateway):
+    """Episodes on different event loops (one ``asyncio.run`` per call, ``Runner.run_sync``
+    in threads) share the SDK's default provider, whose HTTP client is one per process: each
+    loop must get connections of its own, or a call picks up a kept-alive connection of a
+    closed loop ("Event loop is closed")."""
+    helper = Agent(name="Helper", instructions="Be brief.")
+
+    @areal.trace
+    async def agent(task):
+        result = await Runner.run(helper, task["id"])
+        return 1.0 if str(result.final_output).endswith(task["id"]) else 0.0
+
+    @areal.trace
+    def sync_agent(task):
+        result = Runner.run_sync(helper, task["id"])
+        return 1.0 if str(result.final_output).endswith(task["id"]) else 0.0
+
+    def run(i):
+        with rollout_scope(scope):
+            return sync_agent({"id": f"t{i}"})
+
+    with rollout_scope(scope):
+        assert [asyncio.run(agent({"id": f"t{i}"})) for i in range(4)] == [1.0] * 4
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(run, range(4, 8))) == [1.0] * 4
+    _assert_no_cross_talk(scope, gateway)
+
+
 def _assert_no_cross_talk(scope, gateway) -> None:
     key_of_task = {ep.task_id: f"key-{ep.id}" for ep in scope.episodes}
     assert len(key_of_task) == 8 and len(gateway.requests) == 8
