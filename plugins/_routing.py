@@ -18,10 +18,12 @@ episodes running in parallel, routes each call by the episode of the caller.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -334,3 +336,76 @@ def route_anthropic(owner: str, route: GatewayRoute) -> None:
 def unroute_anthropic(owner: str) -> None:
     ANTHROPIC.release(owner)
     clear_route(owner)
+
+
+class PerLoopClients:
+    """While routing is installed, one async HTTP client per event loop where a framework
+    keeps one per process.
+
+    The Agents SDK and LangChain's chat models share a cached ``AsyncClient`` among all the
+    SDK clients they build. Its kept-alive connections belong to the event loop that opened
+    them, so an episode on another loop (``asyncio.run`` per call, ``run_sync`` in threads)
+    would pick up a connection of a closed or foreign loop: "Event loop is closed", or a
+    hang. ``module.name`` is the framework's getter; called inside a running loop it now
+    returns a client of that loop, built by the first of ``builders`` (``"module:attr"``)
+    that exists, or by the getter's own ``__wrapped__`` when it is an ``lru_cache``, with the
+    same arguments. Outside a loop
+    the framework's own cache answers. A loop's clients go when the loop does.
+    """
+
+    def __init__(self, module: str, name: str, *builders: str) -> None:
+        self.module, self.name, self.builders = module, name, builders
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._owner: Any = None
+        self._original: Callable[..., Any] | None = None
+
+    def _build_function(self, original: Callable[..., Any]) -> Callable[..., Any] | None:
+        for builder in self.builders:
+            module, _, attr = builder.partition(":")
+            try:
+                found = getattr(importlib.import_module(module), attr, None)
+            except ImportError:
+                continue
+            if found is not None:
+                return found
+        return None if self.builders else getattr(original, "__wrapped__", None)
+
+    def install(self) -> bool:
+        """Patch the getter; False (and nothing changed) where this version has none."""
+        with _lock:
+            if self._original is not None:
+                return True
+            try:
+                owner = importlib.import_module(self.module)
+            except ImportError:
+                return False
+            original = getattr(owner, self.name, None)
+            build = self._build_function(original) if callable(original) else None
+            if original is None or build is None:
+                return False
+
+            def per_loop(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    loop = asyncio.get_running_loop()
+                    key = (args, tuple(sorted(kwargs.items())))
+                    hash(key)
+                except (RuntimeError, TypeError):  # no loop, or arguments no cache could key
+                    return original(*args, **kwargs)
+                with _lock:
+                    clients = self._clients.setdefault(loop, {})
+                    if key not in clients:
+                        clients[key] = build(*args, **kwargs)
+                    return clients[key]
+
+            per_loop.__wrapped__ = original  # type: ignore[attr-defined]
+            self._owner, self._original = owner, original
+            setattr(owner, self.name, per_loop)
+            return True
+
+    def remove(self) -> None:
+        with _lock:
+            if self._original is not None:
+                setattr(self._owner, self.name, self._original)
+                self._owner = self._original = None

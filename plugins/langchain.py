@@ -280,6 +280,17 @@ def areal_adapters() -> list[AdapterInfo]:
     ]
 
 
+# The chat models' async SDK clients share one cached HTTP client per process (per settings).
+_HTTP_CLIENTS = (
+    _routing.PerLoopClients(
+        "langchain_openai.chat_models.base",
+        "_get_default_async_httpx_client",
+        "langchain_openai.chat_models._client_utils:_build_async_httpx_client",
+    ),
+    _routing.PerLoopClients("langchain_anthropic.chat_models", "_get_default_async_httpx_client"),
+)
+
+
 @hookimpl
 def areal_install_routing(route: GatewayRoute) -> None:
     sdks = _available_sdks()
@@ -289,6 +300,9 @@ def areal_install_routing(route: GatewayRoute) -> None:
         _routing.route_anthropic(NAME, route)
     _install_callbacks()
     _patch_chat_openai_key()
+    for sdk, clients in zip(CHAT_MODEL_PACKAGES.values(), _HTTP_CLIENTS, strict=True):
+        if sdk in sdks:
+            clients.install()
     _routing.register_metadata_provider(NAME, _metadata)
 
 
@@ -297,6 +311,8 @@ def areal_remove_routing() -> None:
     _routing.unregister_metadata_provider(NAME)
     _remove_callbacks()
     _unpatch_chat_openai_key()
+    for clients in _HTTP_CLIENTS:
+        clients.remove()
     _routing.unroute_openai(NAME)
     _routing.unroute_anthropic(NAME)
 

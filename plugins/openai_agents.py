@@ -19,10 +19,7 @@ spans) that ran since the previous model call, as ``x-areal-metadata``
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 from areal_sdk.plugins import _routing
@@ -79,57 +76,14 @@ class _SpanBook:
             return self.tools.pop(trace_id, [])
 
 
-class _PerLoopHttpClients:
-    """One HTTP client per event loop for the SDK's default provider.
-
-    The Agents SDK shares one module-level ``AsyncClient`` among all the ``AsyncOpenAI``
-    clients its default provider builds. Its pooled connections belong to the event loop that
-    opened them, so episodes on different loops (``Runner.run_sync`` in threads, one
-    ``asyncio.run`` per call) would pick up a connection of a closed or foreign loop and fail
-    with "Event loop is closed" or hang. While routing is installed, the provider gets a
-    client of the caller's loop instead; a loop's client goes when the loop does.
-    """
-
-    def __init__(self) -> None:
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._lock = threading.Lock()
-        self._original: Callable[[], Any] | None = None
-        self._module: Any = None
-
-    def install(self) -> None:
-        from agents.models import openai_provider
-
-        make = getattr(openai_provider, "DefaultAsyncHttpx2Client", None) or getattr(
-            openai_provider, "DefaultAsyncHttpxClient", None
-        )
-        original = getattr(openai_provider, "shared_http_client", None)
-        if self._original is not None or make is None or original is None:
-            return  # installed already, or an SDK without a shared client to replace
-
-        def shared_http_client() -> Any:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return original()
-            with self._lock:
-                client = self._clients.get(loop)
-                if client is None:
-                    client = self._clients[loop] = make()
-            return client
-
-        self._module, self._original = openai_provider, original
-        openai_provider.shared_http_client = shared_http_client
-
-    def remove(self) -> None:
-        if self._original is not None:
-            self._module.shared_http_client = self._original
-            self._original = self._module = None
-
-
 _book = _SpanBook()
-_http_clients = _PerLoopHttpClients()
+# The default provider's AsyncOpenAI clients share one module-level HTTP client.
+_http_clients = _routing.PerLoopClients(
+    "agents.models.openai_provider",
+    "shared_http_client",
+    "openai:DefaultAsyncHttpx2Client",  # openai 3
+    "openai:DefaultAsyncHttpxClient",  # openai 2
+)
 _processor: Any = None
 _lock = threading.Lock()
 

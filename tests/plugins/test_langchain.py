@@ -36,6 +36,25 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+def test_async_chat_models_on_one_event_loop_per_episode(host, scope, gateway):
+    """``ChatOpenAI`` and ``ChatAnthropic`` share one cached async HTTP client per process;
+    episodes on loops of their own (one ``asyncio.run`` per call) must not pick up a
+    kept-alive connection of a closed loop ("Event loop is closed")."""
+    langchain_anthropic = pytest.importorskip("langchain_anthropic")
+
+    @areal.trace
+    async def agent(task):
+        chat = langchain_openai.ChatOpenAI(model="gpt-4o-mini")
+        claude = langchain_anthropic.ChatAnthropic(model="claude-haiku-4-5")
+        first = await chat.ainvoke(task["id"])
+        second = await claude.ainvoke(task["id"])
+        return float(first.content.endswith(task["id"]) and task["id"] in str(second.content))
+
+    with rollout_scope(scope):
+        assert [asyncio.run(agent({"id": f"t{i}"})) for i in range(4)] == [1.0] * 4
+    assert len(gateway.requests) == 8
+
+
 def test_default_chat_openai_goes_to_the_gateway_with_the_episode_key(host, scope, gateway):
     @areal.trace
     def agent(task):

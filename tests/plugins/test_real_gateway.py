@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 
-import httpx
 import pytest
 
 import areal_sdk as areal
@@ -118,11 +117,10 @@ def test_langchain_through_the_real_gateway(stack):
 
     @areal.trace
     async def agent(task):
-        # langchain-openai caches one default async HTTP client per process; each test run
-        # here has its own event loop, so give the model a client of this loop.
-        async with httpx.AsyncClient() as http:
-            model = ChatOpenAI(model="gpt-4o-mini", max_tokens=6, http_async_client=http)
-            reply = await model.ainvoke(task["question"])
+        # langchain-openai caches one default async HTTP client per process; the adapter
+        # gives each event loop its own (each test here runs on a loop of its own).
+        model = ChatOpenAI(model="gpt-4o-mini", max_tokens=6)
+        reply = await model.ainvoke(task["question"])
         return 1.0 if isinstance(reply.content, str) else 0.0
 
     summary = _run(stack, agent, run_id="langchain")
