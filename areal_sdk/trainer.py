@@ -174,7 +174,8 @@ class AsyncTrainer:
                 # A completed group trains group_size episodes, so it holds as many slots.
                 for _ in range(len(left.group.episodes) + len(left.missing)):
                     await self.staleness.acquire()
-                if left_task is not None and left.missing:
+                if left.missing:  # its task is known: the groups without one were skipped
+                    assert left_task is not None
                     start(self._run_group(left_task, self.staleness.version, left))
                 else:
                     self.buffer.put(left.group)

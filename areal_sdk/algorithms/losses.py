@@ -184,11 +184,16 @@ def aggregation_weight(mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: LossA
     """
     if mode == "token_mean":
         return int((mask > 0).sum())
+    return int(sequences_with_tokens(mask, cu_seqlens))
+
+
+def sequences_with_tokens(mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """0-d tensor, on ``mask``'s device: how many sequences have a masked-in token."""
     seq = sequence_index(cu_seqlens, mask.numel())
     per_seq = torch.zeros(cu_seqlens.numel() - 1, device=mask.device).index_add(
         0, seq, (mask > 0).float()
     )
-    return int((per_seq > 0).sum())
+    return (per_seq > 0).sum()
 
 
 K = TypeVar("K")
@@ -309,13 +314,9 @@ class PPOLossFn:
         n = mask.sum()
         staleness = (self.current_version - batch.versions.to(mask.device)).float()
         sampled = mask > 0
-        seq = sequence_index(batch.cu_seqlens, mask.numel())
-        per_seq = torch.zeros(batch.cu_seqlens.numel() - 1, device=mask.device).index_add(
-            0, seq, sampled.float()
-        )
         metrics = {
             "n_tokens": n,
-            "n_seqs": (per_seq > 0).sum().float(),
+            "n_seqs": sequences_with_tokens(mask, batch.cu_seqlens).float(),
             "masked_frac": torch.where(n > 0, 1.0 - loss_mask.sum() / n.clamp(min=1), 0.0),
             # KL(proximal || current) by k3: how far this update has moved the policy.
             "approx_kl": _masked_mean(k3_kl(logprobs.detach(), proximal), mask),

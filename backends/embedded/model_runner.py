@@ -253,7 +253,8 @@ def _buckets(num_slots: int) -> list[int]:
 
 
 class _DecodeGraph:
-    """A CUDA graph of one decode step for ``width`` rows, attending over the full cache."""
+    """A CUDA graph of one decode step for ``width`` rows, attending over the first
+    ``kv_len`` positions of each row's cache."""
 
     def __init__(self, runner: ModelRunner, width: int, kv_len: int, pool: Any) -> None:
         dev = runner.device
