@@ -60,6 +60,8 @@ async def solve(task):
 
 
 TIMES = ("wait_s", "push_s", "step_s")
+# Per-step rollout figures reported beside the times.
+ROLLOUT = ("tokens_per_s", "staleness_mean", "dropped_stale_groups")
 
 
 def build_model(out: Path, layers: int) -> Path:
@@ -130,6 +132,38 @@ class GpuSampler:
         return statistics.fmean(self.samples) if self.samples else None
 
 
+class EngineLoadSampler:
+    """Mean requests running and waiting in the engine, sampled every 100 ms: whether the
+    admitted episodes really keep the engine's batch full."""
+
+    def __init__(self, run) -> None:  # type: ignore[no-untyped-def]
+        self.run = run
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> EngineLoadSampler:
+        threading.Thread(target=self._sample, daemon=True).start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.1):
+            engine = getattr(getattr(self.run, "stack", None), "engine", None)
+            running = getattr(engine, "num_running", None)
+            if isinstance(running, int):
+                self.running.append(running)
+                self.waiting.append(int(getattr(engine, "num_waiting", 0)))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def means(self) -> dict[str, float | None]:
+        return {
+            "engine_running_mean": statistics.fmean(self.running) if self.running else None,
+            "engine_waiting_mean": statistics.fmean(self.waiting) if self.waiting else None,
+        }
+
+
 def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: int) -> dict:
     from areal_sdk.config import load_config
     from areal_sdk.training_run import TrainingRun
@@ -174,15 +208,17 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
     stamps: list[float] = []
     rewards: list[float] = []
     times: list[dict[str, float]] = []
+    rollout: list[dict[str, float]] = []
 
     def on_step(report) -> None:  # type: ignore[no-untyped-def]
         stamps.append(time.perf_counter())
         rewards.append(report.metrics.get("rollout/reward_mean", float("nan")))
         times.append({k: report.metrics.get(f"time/{k}", float("nan")) for k in TIMES})
+        rollout.append({k: report.metrics.get(f"rollout/{k}", float("nan")) for k in ROLLOUT})
 
     run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=lambda m: None)
     start = time.perf_counter()
-    with GpuSampler() as gpu:
+    with GpuSampler() as gpu, EngineLoadSampler(run) as load:
         result = asyncio.run(run.run())
     measured = stamps[args.warmup :]
     per_step = (measured[-1] - measured[0]) / (len(measured) - 1) if len(measured) > 1 else None
@@ -197,6 +233,11 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         if steady
         else None
     )
+    steady_rollout = rollout[args.warmup :] or rollout
+    for key in ROLLOUT:
+        split[f"{key}_mean"] = (
+            statistics.fmean(r[key] for r in steady_rollout) if steady_rollout else None
+        )
     return {
         "max_staleness": staleness,
         "steps": result.steps,
@@ -208,6 +249,7 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         "s_per_step": per_step,
         "steps_per_hour": 3600 / per_step if per_step else None,
         "gpu_util_mean": gpu.mean,
+        **load.means(),
         "reward_per_step": rewards,
         "reward_last3": statistics.fmean(rewards[-3:]) if len(rewards) >= 3 else None,
     }
@@ -300,7 +342,15 @@ def main() -> None:
         choices=["retract", "in_place", "abort"],
         help="weights.pause_mode (default retract)",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval (seconds) for this process: how long a thread that wants "
+        "the GIL waits for a busy holder (default 0.005)",
+    )
     args = parser.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.push_method is None:
         args.push_method = "cuda_ipc" if args.device.startswith("cuda") else "disk"
     args.engine_url = None

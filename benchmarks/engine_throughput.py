@@ -270,7 +270,7 @@ def profile_step(model, args, rows: int) -> dict:
         "decode_forward_ms": round(timed(lambda: runner.decode(slots, pos, toks)), 3),
         "sample_ms": round(timed(lambda: sample(logits, batch)), 3),
         "sampling_params_build_ms": round(timed(params), 3),
-        "tolist_ms": round(timed(lambda: sample(logits, batch)[0].tolist()), 3),
+        "tolist_ms": round(timed(lambda: sample(logits, batch).tokens.tolist()), 3),
     }
     runner.drop_graphs()
     return out

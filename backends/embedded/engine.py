@@ -119,6 +119,18 @@ class EmbeddedEngine(InferenceBackend):
         self._stopping = False
         self._fatal: BaseException | None = None
         self._lock = threading.Lock()
+        device = self.runner.device
+        # The engine's own RNG for unseeded sampling: a trainer in this process seeding or
+        # capturing the device's default generator leaves it alone.
+        self._generator = torch.Generator(device=device)
+        self._generator.seed()
+        # On CUDA the engine thread issues its work on a high-priority stream of its own. On
+        # the shared default stream every decode step would queue behind a co-located
+        # trainer's kernels and its host sync would wait for them; on its own stream the
+        # small decode kernels interleave with training, ahead of it.
+        self._stream = (
+            torch.cuda.Stream(device=device, priority=-100) if device.type == "cuda" else None
+        )
 
     @classmethod
     def from_pretrained(
@@ -362,17 +374,26 @@ class EmbeddedEngine(InferenceBackend):
     # -- the loop (engine thread) ----------------------------------------------------------
 
     def _run(self) -> None:
+        stream = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
         try:
-            while not self._stopping:
-                idle = self._paused is not None or (not self._active and not self._waiting)
-                if not self._drain(block=idle):
-                    break
-                if self._paused is None and (self._active or self._waiting):
-                    self._step_safely()
+            with stream:
+                self._loop()
         except BaseException as exc:  # the loop itself broke: fail everyone, refuse new work
             log.exception("embedded engine loop died")
             self._fatal = exc
             self._fail_all(exc)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            idle = self._paused is not None or (not self._active and not self._waiting)
+            if not self._drain(block=idle):
+                break
+            if self._paused is None and (self._active or self._waiting):
+                self._step_safely()
 
     def _drain(self, *, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -526,10 +547,13 @@ class EmbeddedEngine(InferenceBackend):
             ],
             self.runner.device,
             top_logprobs=max(r.sampling.top_logprobs_num for r in sampled),
+            generator=self._generator,
         )
         result = sample(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
-        token_list = result.tokens.tolist()
-        logprob_list = result.logprobs.tolist()
+        # One device->host copy for both (float64 holds every token id exactly).
+        both = torch.stack([result.tokens.double(), result.logprobs.double()]).tolist()
+        token_list = [int(t) for t in both[0]]
+        logprob_list = both[1]
         tops: list[list[tuple[int, float]] | None] = [None] * len(sampled)
         if result.top_ids is not None and result.top_logprobs is not None:
             top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()

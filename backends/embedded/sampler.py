@@ -18,7 +18,8 @@ returned value. Leave top_p=1, top_k=-1, min_p=0 for RL when the two must coinci
 Randomness. Each row samples by Gumbel-max. A seeded row's noise comes from a counter-based
 hash of ``(seed, step)``, where ``step`` is the number of tokens the request has already
 produced, so a seeded request draws the same tokens whatever else shares its batch, and after
-a retraction or a re-prefill. Unseeded rows use the device RNG (one fast kernel).
+a retraction or a re-prefill. Unseeded rows draw from a device RNG (one fast kernel): the
+engine passes its own generator, so a trainer seeding the device's default one never moves it.
 """
 
 from __future__ import annotations
@@ -32,22 +33,29 @@ _M32 = 0xFFFFFFFF
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters, as tensors on the logits' device."""
+    """Per-row sampling parameters, as tensors on the logits' device.
+
+    Only what the rows use is put on the device: truncation parameters when some row
+    truncates, seeds and steps when some row is seeded. A plain temperature batch (the RL
+    case) costs one host->device copy per step.
+    """
 
     temperature: torch.Tensor  # [R] float; 0 means greedy
-    top_k: torch.Tensor  # [R] long; -1 disables
-    top_p: torch.Tensor  # [R] float
-    min_p: torch.Tensor  # [R] float
-    seed: torch.Tensor  # [R] long, < 2**31
-    step: torch.Tensor  # [R] long
-    seeded: torch.Tensor  # [R] bool
     # Host-side summaries, so the common cases need no device->host sync.
     any_seeded: bool
     all_seeded: bool
     all_greedy: bool
     any_truncation: bool
+    top_k: torch.Tensor | None = None  # [R] long; -1 disables (set when any_truncation)
+    top_p: torch.Tensor | None = None  # [R] float
+    min_p: torch.Tensor | None = None  # [R] float
+    seed: torch.Tensor | None = None  # [R] long, < 2**31 (set when any_seeded)
+    step: torch.Tensor | None = None  # [R] long
+    seeded: torch.Tensor | None = None  # [R] bool
     # The largest top_logprobs_num of any row; 0: none asked.
     top_logprobs: int = 0
+    # Draws the noise of unseeded rows; None: the device's default generator.
+    generator: torch.Generator | None = None
 
     @classmethod
     def build(
@@ -55,28 +63,32 @@ class SamplingBatch:
         rows: list[tuple[float, int, float, float, int | None, int]],
         device: torch.device,
         top_logprobs: int = 0,
+        generator: torch.Generator | None = None,
     ) -> SamplingBatch:
         """``rows`` are ``(temperature, top_k, top_p, min_p, seed or None, step)`` tuples;
         ``top_logprobs`` is the largest number of top logprobs any row wants."""
         t, k, p, mp, raw_seeds, st = zip(*rows, strict=True)
         flags = [x is not None for x in raw_seeds]
-        s = [x & 0x7FFFFFFF if x is not None else 0 for x in raw_seeds]
-        return cls(
+        truncation = any(kk > 0 for kk in k) or any(x < 1.0 for x in p) or any(x > 0 for x in mp)
+        batch = cls(
             temperature=torch.tensor(t, dtype=torch.float32, device=device),
-            top_k=torch.tensor(k, dtype=torch.long, device=device),
-            top_p=torch.tensor(p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(mp, dtype=torch.float32, device=device),
-            seed=torch.tensor(s, dtype=torch.long, device=device),
-            step=torch.tensor(st, dtype=torch.long, device=device),
-            seeded=torch.tensor(flags, dtype=torch.bool, device=device),
             any_seeded=any(flags),
             all_seeded=all(flags),
             all_greedy=all(x <= 0 for x in t),
-            any_truncation=any(kk > 0 for kk in k)
-            or any(x < 1.0 for x in p)
-            or any(x > 0 for x in mp),
+            any_truncation=truncation,
             top_logprobs=top_logprobs,
+            generator=generator,
         )
+        if truncation:
+            batch.top_k = torch.tensor(k, dtype=torch.long, device=device)
+            batch.top_p = torch.tensor(p, dtype=torch.float32, device=device)
+            batch.min_p = torch.tensor(mp, dtype=torch.float32, device=device)
+        if batch.any_seeded:
+            s = [x & 0x7FFFFFFF if x is not None else 0 for x in raw_seeds]
+            batch.seed = torch.tensor(s, dtype=torch.long, device=device)
+            batch.step = torch.tensor(st, dtype=torch.long, device=device)
+            batch.seeded = torch.tensor(flags, dtype=torch.bool, device=device)
+        return batch
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -125,11 +137,15 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
 
 def _noise(params: SamplingBatch, logits: torch.Tensor) -> torch.Tensor:
     if params.all_seeded:
+        assert params.seed is not None and params.step is not None
         return gumbel_noise(params.seed, params.step, logits.shape[-1])
-    u = torch.rand_like(logits).clamp_(min=1e-10, max=1.0 - 1e-7)
+    u = torch.rand(
+        logits.shape, device=logits.device, dtype=logits.dtype, generator=params.generator
+    ).clamp_(min=1e-10, max=1.0 - 1e-7)
     free = -torch.log(-torch.log(u))
     if not params.any_seeded:
         return free
+    assert params.seed is not None and params.step is not None and params.seeded is not None
     seeded = gumbel_noise(params.seed, params.step, logits.shape[-1])
     return torch.where(params.seeded.view(-1, 1), seeded, free)
 
@@ -138,6 +154,7 @@ def _truncate(logprobs: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """Set the logprobs of tokens that top_k / top_p / min_p exclude to -inf."""
     if not params.any_truncation:
         return logprobs
+    assert params.top_k is not None and params.top_p is not None and params.min_p is not None
     use_k = params.top_k > 0
     vocab = logprobs.shape[-1]
     sorted_lp, order = logprobs.sort(dim=-1, descending=True)

@@ -70,6 +70,11 @@ def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path 
     if isinstance(source, Mapping):
         for name, tensor in source.items():
             _check(name, tensor, own)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if on_cuda:
+        # The source may come from another stream (a trainer in this process): wait for it,
+        # since the engine copies on its own stream.
+        torch.cuda.synchronize()
     count = 0
     for name, tensor in iter_source(source):
         target = own[_check(name, tensor, own)]
@@ -77,7 +82,8 @@ def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path 
         count += 1
     if count == 0:
         raise WeightUpdateError("the weight source holds no tensors")
-    if next(model.parameters()).device.type == "cuda":
+    if on_cuda:
+        # Done before returning: the trainer may overwrite its tensors right after.
         torch.cuda.synchronize()
     return count
 
