@@ -157,6 +157,21 @@ class EngineLoadSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
 
+    def engine_stats(self, url: str | None) -> dict[str, float] | None:
+        """The engine's running totals now (``EmbeddedEngine.stats``), in process or from
+        the engine process's ``/get_server_info``; None if unreadable."""
+        try:
+            if url:
+                import httpx
+
+                return httpx.get(url + "/get_server_info", timeout=5).json()["stats"]
+            engine = self.run.stack.engine
+            import dataclasses
+
+            return dataclasses.asdict(engine.stats())
+        except Exception:
+            return None
+
     def means(self) -> dict[str, float | None]:
         return {
             "engine_running_mean": statistics.fmean(self.running) if self.running else None,
@@ -210,15 +225,19 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
     times: list[dict[str, float]] = []
     rollout: list[dict[str, float]] = []
 
+    engine_totals: list[dict[str, float] | None] = []
+
     def on_step(report) -> None:  # type: ignore[no-untyped-def]
         stamps.append(time.perf_counter())
+        engine_totals.append(load.engine_stats(args.engine_url))
         rewards.append(report.metrics.get("rollout/reward_mean", float("nan")))
         times.append({k: report.metrics.get(f"time/{k}", float("nan")) for k in TIMES})
         rollout.append({k: report.metrics.get(f"rollout/{k}", float("nan")) for k in ROLLOUT})
 
     run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=lambda m: None)
     start = time.perf_counter()
-    with GpuSampler() as gpu, EngineLoadSampler(run) as load:
+    load = EngineLoadSampler(run)
+    with GpuSampler() as gpu, load:
         result = asyncio.run(run.run())
     measured = stamps[args.warmup :]
     per_step = (measured[-1] - measured[0]) / (len(measured) - 1) if len(measured) > 1 else None
@@ -238,6 +257,7 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         split[f"{key}_mean"] = (
             statistics.fmean(r[key] for r in steady_rollout) if steady_rollout else None
         )
+    split.update(engine_window(engine_totals[args.warmup :], stamps[args.warmup :]))
     return {
         "max_staleness": staleness,
         "steps": result.steps,
@@ -252,6 +272,23 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         **load.means(),
         "reward_per_step": rewards,
         "reward_last3": statistics.fmean(rewards[-3:]) if len(rewards) >= 3 else None,
+    }
+
+
+def engine_window(totals: list[dict[str, float] | None], stamps: list[float]) -> dict:
+    """The engine's figures between the first and last reading: mean step time, decode rows
+    per step, share of steps with a prefill, share of wall time inside steps, tokens/s."""
+    if len(totals) < 2 or totals[0] is None or totals[-1] is None:
+        return {}
+    a, b = totals[0], totals[-1]
+    d = {k: b[k] - a[k] for k in a}
+    wall = stamps[-1] - stamps[0]
+    return {
+        "engine_step_ms": 1000 * d["step_s"] / d["steps"] if d["steps"] else None,
+        "engine_decode_rows": d["decode_rows"] / d["decode_steps"] if d["decode_steps"] else None,
+        "engine_prefill_share": d["prefill_steps"] / d["steps"] if d["steps"] else None,
+        "engine_busy": d["step_s"] / wall if wall > 0 else None,
+        "engine_tokens_per_s": d["sampled_tokens"] / wall if wall > 0 else None,
     }
 
 

@@ -76,5 +76,13 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
     )
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    # Keep-alive above the clients' idle expiry, so a server never closes a connection a
+    # client is about to reuse.
+    uvicorn.run(
+        create_app(engine),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_keep_alive=30,
+    )
     return 0

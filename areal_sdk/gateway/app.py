@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areal_sdk.gateway import (
@@ -220,6 +221,13 @@ def _install_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
             else str(exc.detail)
         )
         return respond(request, GatewayError(exc.status_code, message, code=code))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        # The caller left before its body arrived (an episode cancelled at shutdown): nothing
+        # was done and nobody reads the answer, so it is no server error.
+        log.debug("client left during %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -75,6 +77,24 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on for CUDA
 
 
+@dataclass
+class EngineStats:
+    """Running totals of the scheduling loop, read without stopping it (``stats()``).
+
+    Differences of two readings give a window's mean step time (``step_s / steps``), decode
+    batch (``decode_rows / decode_steps``) and busy share (``step_s`` over the window's wall
+    time): what tells a host-bound engine (long steps, small batches) from an idle one.
+    """
+
+    steps: int = 0
+    step_s: float = 0.0  # wall seconds inside steps, device waits included
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    sampled_tokens: int = 0
+
+
 class EmbeddedEngine(InferenceBackend):
     """Continuous-batching generation on a transformers model, in this process.
 
@@ -119,6 +139,7 @@ class EmbeddedEngine(InferenceBackend):
         self._stopping = False
         self._fatal: BaseException | None = None
         self._lock = threading.Lock()
+        self._stats = EngineStats()
         device = self.runner.device
         # The engine's own RNG for unseeded sampling: a trainer in this process seeding or
         # capturing the device's default generator leaves it alone.
@@ -277,6 +298,10 @@ class EmbeddedEngine(InferenceBackend):
         """Drop cached state; refused (False) while requests are running, as in SGLang."""
         return bool(await self._call("flush_cache", None))
 
+    def stats(self) -> EngineStats:
+        """A copy of the loop's running totals (safe from any thread)."""
+        return dataclasses.replace(self._stats)
+
     async def health(self) -> dict[str, Any]:
         if self._fatal is not None:
             raise RuntimeError(f"the engine loop died: {self._fatal!r}")
@@ -287,6 +312,7 @@ class EmbeddedEngine(InferenceBackend):
             "waiting": len(self._waiting),
             "paused": self._paused.value if self._paused else None,
             "device": str(self.runner.device),
+            "stats": dataclasses.asdict(self.stats()),
         }
 
     async def close(self) -> None:
@@ -482,6 +508,7 @@ class EmbeddedEngine(InferenceBackend):
             request.slot = None
 
     def _step_safely(self) -> None:
+        started = time.perf_counter()
         try:
             self._step()
         except Exception as exc:  # a failed forward fails the running batch, not the engine
@@ -491,6 +518,9 @@ class EmbeddedEngine(InferenceBackend):
             for request in failed:
                 self._release(request)
             self._fail(failed, exc)
+        finally:
+            self._stats.steps += 1
+            self._stats.step_s += time.perf_counter() - started
 
     def _step(self) -> None:
         # Admission: lowest free slot first keeps decode rows dense (rows are slots 0..B-1).
@@ -513,8 +543,11 @@ class EmbeddedEngine(InferenceBackend):
                 prefill.append((request, row, take == remaining))
         sampled: list[Request] = []
         logits: list[torch.Tensor] = []
+        stats = self._stats
         if prefill:
             rows = [row for _, row, _ in prefill]
+            stats.prefill_steps += 1
+            stats.prefill_tokens += sum(len(row.tokens) for row in rows)
             out = self.runner.forward(rows)
             for i, (request, row, complete) in enumerate(prefill):
                 request.num_computed += len(row.tokens)
@@ -522,6 +555,8 @@ class EmbeddedEngine(InferenceBackend):
                     sampled.append(request)
                     logits.append(out[i : i + 1])
         if decode:
+            stats.decode_steps += 1
+            stats.decode_rows += len(decode)
             out = self.runner.decode(
                 [r.slot for r in decode],
                 [r.seq_len - 1 for r in decode],
@@ -554,6 +589,7 @@ class EmbeddedEngine(InferenceBackend):
         both = torch.stack([result.tokens.double(), result.logprobs.double()]).tolist()
         token_list = [int(t) for t in both[0]]
         logprob_list = both[1]
+        stats.sampled_tokens += len(token_list)
         tops: list[list[tuple[int, float]] | None] = [None] * len(sampled)
         if result.top_ids is not None and result.top_logprobs is not None:
             top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()

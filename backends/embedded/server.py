@@ -579,7 +579,14 @@ class ServerThread:
         self.host = host
         self.port = port or free_port(host)
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")
+            uvicorn.Config(
+                app,
+                host=host,
+                port=self.port,
+                log_level="warning",
+                lifespan="off",
+                timeout_keep_alive=30,
+            )
         )
         self.thread = threading.Thread(
             target=self.server.run, name="areal-engine-http", daemon=True

@@ -206,6 +206,10 @@ class SGLangBackend(InferenceBackend):
             except ServerUnavailable as exc:
                 if self.router is not None:
                     raise
+                if await server.client.healthy():
+                    # The server is up: this request failed alone (it cannot be re-sent
+                    # safely, the server may have started it); the server stays in rotation.
+                    raise
                 log.warning("taking %s out of rotation: %s; retrying elsewhere", server.url, exc)
                 self.pool.mark_dead(server, str(exc))
                 tried.add(server.url)

@@ -89,7 +89,12 @@ class ServerClient:
             client = httpx.AsyncClient(
                 base_url=self.url,
                 timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                # Idle connections are dropped before the server's keep-alive timeout (5 s in
+                # SGLang's uvicorn): reusing one the server is closing at that instant fails a
+                # request that was never served.
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+                ),
             )
             self._clients[loop] = client
         return client

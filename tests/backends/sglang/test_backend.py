@@ -202,3 +202,50 @@ async def test_the_plugin_host_builds_it_from_config(servers, tiny_model_dir: Pa
             await backend.generate([10**6], SamplingParams(max_new_tokens=2))
     finally:
         await backend.close()
+
+
+async def test_a_dropped_request_on_a_healthy_server_fails_alone(servers) -> None:
+    """A connection the server drops mid-request (while /health still answers) fails that
+    request only: the server stays in rotation and serves the next one."""
+    upstream = servers[0][0]
+    dropped: list[str] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # One request per connection: forward it to the real server, except the first
+        # /generate, whose connection is closed unanswered.
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            0,
+        )
+        body = await reader.readexactly(length)
+        if head.startswith(b"POST /generate") and not dropped:
+            dropped.append("generate")
+            writer.close()
+            return
+        host, port = upstream.removeprefix("http://").split(":")
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        up_writer.write(head.replace(b"keep-alive", b"close") + body)
+        await up_writer.drain()
+        writer.write(await up_reader.read())
+        await writer.drain()
+        writer.close()
+        up_writer.close()
+
+    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    backend = SGLangBackend([url], retries=0)
+    try:
+        await asyncio.to_thread(backend.connect)  # blocking; the relay runs on this loop
+        with pytest.raises(ConnectionError, match="unavailable"):
+            await backend.generate(PROMPT, SamplingParams(max_new_tokens=2))
+        assert dropped and [s.url for s in backend.pool.live] == [url]
+        out = await backend.generate(PROMPT, SamplingParams(max_new_tokens=2))
+        assert len(out.output_ids) == 2
+    finally:
+        await backend.close()
+        proxy.close()
