@@ -230,6 +230,8 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
     def on_step(report) -> None:  # type: ignore[no-untyped-def]
         stamps.append(time.perf_counter())
         engine_totals.append(load.engine_stats(args.engine_url))
+        if profiler is not None and len(stamps) == args.warmup + 1:
+            profiler.start()
         rewards.append(report.metrics.get("rollout/reward_mean", float("nan")))
         times.append({k: report.metrics.get(f"time/{k}", float("nan")) for k in TIMES})
         rollout.append({k: report.metrics.get(f"rollout/{k}", float("nan")) for k in ROLLOUT})
@@ -237,8 +239,15 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
     run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=lambda m: None)
     start = time.perf_counter()
     load = EngineLoadSampler(run)
+    profiler = (
+        EngineProfile(run, args.profile_s, args.profile_dir)
+        if args.profile_s and not args.engine_url and staleness == args.profile_staleness
+        else None
+    )
     with GpuSampler() as gpu, load:
         result = asyncio.run(run.run())
+    if profiler is not None:
+        profiler.join()
     measured = stamps[args.warmup :]
     per_step = (measured[-1] - measured[0]) / (len(measured) - 1) if len(measured) > 1 else None
     # Over the steps after warmup (all of them if the run is shorter).
@@ -273,6 +282,62 @@ def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: in
         "reward_per_step": rewards,
         "reward_last3": statistics.fmean(rewards[-3:]) if len(rewards) >= 3 else None,
     }
+
+
+class EngineProfile:
+    """``--profile-s``: a torch profiler trace of every thread in this process for a window
+    after the warm-up, with the engine's step, decode, prefill and sampling marked, written
+    as a chrome trace and a table of host and device time per op."""
+
+    def __init__(self, run, seconds: float, out: Path) -> None:  # type: ignore[no-untyped-def]
+        self.run, self.seconds, self.out = run, seconds, out
+        self.started = False
+
+    def mark_engine(self) -> None:
+        import torch
+        from areal_sdk.backends.embedded import engine as engine_module
+
+        engine = self.run.stack.engine
+        engine = getattr(engine, "_engine", engine)
+
+        def marked(name, fn):  # type: ignore[no-untyped-def]
+            def call(*a, **k):  # type: ignore[no-untyped-def]
+                with torch.profiler.record_function(name):
+                    return fn(*a, **k)
+
+            return call
+
+        engine._step = marked("engine.step", engine._step)
+        engine.runner.decode = marked("engine.decode", engine.runner.decode)
+        engine.runner.forward = marked("engine.prefill", engine.runner.forward)
+        engine_module.sample = marked("engine.sample", engine_module.sample)
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        self.thread = threading.Thread(target=self._record, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        if self.started:
+            self.thread.join()
+
+    def _record(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self.mark_engine()
+        self.out.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        with profile(activities=activities, experimental_config=every_thread) as prof:
+            time.sleep(self.seconds)
+        prof.export_chrome_trace(str(self.out / "engine_trace.json"))
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=60)
+        (self.out / "engine_ops.txt").write_text(table)
 
 
 def engine_window(totals: list[dict[str, float] | None], stamps: list[float]) -> dict:
@@ -385,6 +450,14 @@ def main() -> None:
         help="sys.setswitchinterval (seconds) for this process: how long a thread that wants "
         "the GIL waits for a busy holder (default 0.005)",
     )
+    parser.add_argument(
+        "--profile-s",
+        type=float,
+        help="record a torch profiler trace of this many seconds after the warm-up (engine "
+        "in process), into --profile-dir",
+    )
+    parser.add_argument("--profile-staleness", type=int, default=2)
+    parser.add_argument("--profile-dir", type=Path, default=Path("."))
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
