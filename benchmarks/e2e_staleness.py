@@ -486,7 +486,10 @@ def main() -> None:
     for r in results:
         if base and r.get("s_per_step"):
             r["speedup_vs_sync"] = base["s_per_step"] / r["s_per_step"]
-    summary = {"args": vars(args) | {"json": str(args.json)}, "results": results}
+    summary = {
+        "args": vars(args) | {"json": str(args.json), "profile_dir": str(args.profile_dir)},
+        "results": results,
+    }
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

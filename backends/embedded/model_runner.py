@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from areal_sdk.backends.embedded.kv_cache import ATTN_IMPLEMENTATION, SlotKVCache, StepContext
+from areal_sdk.backends.embedded.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -150,23 +151,26 @@ class ModelRunner:
         bucket = next((b for b in self._graph_buckets if b >= rows), None)
         width = bucket if bucket is not None else rows
         # Rows are slots 0..width-1; idle rows write to the scratch column and look at
-        # position 0 of their own slot (finite, ignored).
-        ids = torch.zeros(width, dtype=torch.long)
-        pos = torch.zeros(width, dtype=torch.long)
-        write = torch.full((width,), self.cache.scratch, dtype=torch.long)
-        slot_t = torch.tensor(slots, dtype=torch.long)
-        ids[slot_t] = torch.tensor(tokens, dtype=torch.long)
-        pos[slot_t] = torch.tensor(positions, dtype=torch.long)
-        write[slot_t] = pos[slot_t]
+        # position 0 of their own slot (finite, ignored). Built as lists and sent in one
+        # copy: the step's inputs and the rows to return.
+        ids = [0] * width
+        pos = [0] * width
+        write = [self.cache.scratch] * width
+        for slot, position, token in zip(slots, positions, tokens, strict=True):
+            ids[slot] = token
+            pos[slot] = position
+            write[slot] = position
+        select = slots + [0] * (width - len(slots))
+        packed = to_device([ids, pos, write, select], torch.long, self.device)
         kv_needed = max(positions) + 1
         graph = None
         if bucket is not None:
             graph = self._graph(bucket, next(b for b in self._kv_buckets if b >= kv_needed))
         if graph is not None:
-            logits = graph.run(ids, pos, write)
+            logits = graph.run(packed[:3])
         else:
-            logits = self._decode_eager(ids, pos, write, kv_len=kv_needed)
-        return logits.index_select(0, slot_t.to(self.device)).float()
+            logits = self._decode_eager(packed[0], packed[1], packed[2], kv_len=kv_needed)
+        return logits.index_select(0, packed[3, : len(slots)]).float()
 
     def _decode_eager(
         self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, *, kv_len: int
@@ -259,9 +263,10 @@ class _DecodeGraph:
     def __init__(self, runner: ModelRunner, width: int, kv_len: int, pool: Any) -> None:
         dev = runner.device
         self.runner = runner
-        self.ids = torch.zeros(width, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(width, dtype=torch.long, device=dev)
-        self.write = torch.full((width,), runner.cache.scratch, dtype=torch.long, device=dev)
+        # The graph's static inputs: ids, positions and cache write positions, one row each.
+        self.inputs = torch.zeros(3, width, dtype=torch.long, device=dev)
+        self.inputs[2].fill_(runner.cache.scratch)
+        self.ids, self.pos, self.write = self.inputs.unbind(0)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -275,9 +280,8 @@ class _DecodeGraph:
             self.logits = runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
         log.info("captured a decode CUDA graph for %d rows over %d positions", width, kv_len)
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
-        self.ids.copy_(ids, non_blocking=True)
-        self.pos.copy_(pos, non_blocking=True)
-        self.write.copy_(write, non_blocking=True)
+    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Replay on ``inputs`` (``[3, width]``: ids, positions, write positions)."""
+        self.inputs.copy_(inputs, non_blocking=True)
         self.graph.replay()
         return self.logits

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from areal_sdk.backends.embedded.transfer import to_device
 
 _M32 = 0xFFFFFFFF
 
@@ -71,7 +72,7 @@ class SamplingBatch:
         flags = [x is not None for x in raw_seeds]
         truncation = any(kk > 0 for kk in k) or any(x < 1.0 for x in p) or any(x > 0 for x in mp)
         batch = cls(
-            temperature=torch.tensor(t, dtype=torch.float32, device=device),
+            temperature=to_device(t, torch.float32, device),
             any_seeded=any(flags),
             all_seeded=all(flags),
             all_greedy=all(x <= 0 for x in t),
@@ -80,14 +81,14 @@ class SamplingBatch:
             generator=generator,
         )
         if truncation:
-            batch.top_k = torch.tensor(k, dtype=torch.long, device=device)
-            batch.top_p = torch.tensor(p, dtype=torch.float32, device=device)
-            batch.min_p = torch.tensor(mp, dtype=torch.float32, device=device)
+            batch.top_k = to_device(k, torch.long, device)
+            batch.top_p = to_device(p, torch.float32, device)
+            batch.min_p = to_device(mp, torch.float32, device)
         if batch.any_seeded:
             s = [x & 0x7FFFFFFF if x is not None else 0 for x in raw_seeds]
-            batch.seed = torch.tensor(s, dtype=torch.long, device=device)
-            batch.step = torch.tensor(st, dtype=torch.long, device=device)
-            batch.seeded = torch.tensor(flags, dtype=torch.bool, device=device)
+            batch.seed = to_device(s, torch.long, device)
+            batch.step = to_device(st, torch.long, device)
+            batch.seeded = to_device(flags, torch.bool, device)
         return batch
 
 
