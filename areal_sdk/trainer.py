@@ -75,16 +75,24 @@ class Leftover:
 
 
 class GroupBuffer:
-    """Finished groups waiting to train, oldest first."""
+    """Finished groups waiting to train: those started under the oldest policy version first,
+    then in the order they finished.
+
+    Groups finish out of order (a long reply outlives several steps). Taking the oldest
+    version first trains a group while it is still within the staleness bound and lets a
+    fresher one, which has slack, wait a step; first-finished-first would drop the old group
+    as stale a step later.
+    """
 
     def __init__(self) -> None:
-        self._groups: asyncio.Queue[Group] = asyncio.Queue()
+        self._groups: asyncio.PriorityQueue[tuple[int, int, Group]] = asyncio.PriorityQueue()
+        self._finished = itertools.count()
 
     def put(self, group: Group) -> None:
-        self._groups.put_nowait(group)
+        self._groups.put_nowait((group.start_version, next(self._finished), group))
 
     async def get(self) -> Group:
-        return await self._groups.get()
+        return (await self._groups.get())[2]
 
     def qsize(self) -> int:
         return self._groups.qsize()
