@@ -2,9 +2,11 @@
 
 With ``batch`` episodes per step and bound ``max_staleness``, at most
 ``(max_staleness + version + 1) * batch`` episodes are ever admitted while the policy is at
-``version``. An episode admitted under version ``v`` is then trained at step ``t`` with
-``t - v <= max_staleness``; ``max_staleness = 0`` is the synchronous baseline (a batch is
-admitted only after the previous one trained).
+``version``, so rollouts run at most ``max_staleness`` steps ahead of the trainer;
+``max_staleness = 0`` is the synchronous baseline (a batch is admitted only after the
+previous one trained). Episodes finish out of order, so the bound is also checked when a
+group is trained: one admitted under version ``v`` trains at step ``t`` only if
+``t - v <= max_staleness`` (``is_fresh``), else it is dropped.
 
 Episodes that fail, or that the trainer drops (dynamic filtering), give their slot back so
 the rollout side keeps producing usable data.
