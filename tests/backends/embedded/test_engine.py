@@ -153,6 +153,28 @@ async def test_long_prompt_is_chunked_and_queued(tiny_model_dir) -> None:
         await eng.close()
 
 
+async def test_stats_count_the_steps_rows_and_tokens_of_a_batch(tiny_model_dir) -> None:
+    """The loop's counters tell what it did: every sampled token, the prompt tokens fed in
+    chunks, and decode batches no larger than the KV slots."""
+    eng = make_engine(tiny_model_dir, max_batch_size=4, prefill_chunk=16)
+    try:
+        before = eng.stats()
+        batch = [p for p in prompts(eng, 6) if len(p) > 1][:6]
+        outs = await asyncio.gather(*(eng.generate(p, GREEDY) for p in batch))
+        after = eng.stats()
+        sampled = after.sampled_tokens - before.sampled_tokens
+        assert sampled == sum(len(o.output_ids) for o in outs) == len(batch) * 8
+        # The prompt tokens (none cached between requests) all went through prefill.
+        assert after.prefill_tokens - before.prefill_tokens == sum(len(p) for p in batch)
+        decode_steps = after.decode_steps - before.decode_steps
+        decode_rows = after.decode_rows - before.decode_rows
+        assert decode_rows == sampled - len(batch)  # each request's first token is a prefill's
+        assert decode_steps <= decode_rows <= 4 * decode_steps
+        assert after.steps > before.steps and after.step_s > before.step_s
+    finally:
+        await eng.close()
+
+
 async def test_stream_yields_tokens_as_they_come(engine: EmbeddedEngine) -> None:
     prompt = prompts(engine, 2)[1]
     chunks = [c async for c in engine.stream(prompt, GREEDY)]

@@ -177,7 +177,14 @@ async def test_info_and_health_routes(client: httpx.AsyncClient) -> None:
     assert (await client.get("/health_generate")).status_code == 200
     load = (await client.get("/get_load")).json()
     assert load["num_reqs"] == 0
-    assert (await client.get("/get_server_info")).json()["max_running_requests"] == 8
+    info = (await client.get("/get_server_info")).json()
+    assert info["max_running_requests"] == 8
+    # The loop's counters travel with the server info and move with each generation.
+    sampled = info["stats"]["sampled_tokens"]
+    body = {"input_ids": [5, 17, 42], "sampling_params": GREEDY}
+    assert (await client.post("/generate", json=body)).status_code == 200
+    stats = (await client.get("/get_server_info")).json()["stats"]
+    assert stats["sampled_tokens"] == sampled + GREEDY["max_new_tokens"]
 
 
 @pytest.mark.parametrize(
