@@ -75,6 +75,9 @@ class ModelRunner:
         self._backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._lm_head = model.get_output_embeddings()
         self._positions = torch.arange(max_len + 1, device=self.device)
+        # Decode rows are slots 0..width-1: their indices, apart from the positions above
+        # (there may be more slots than positions).
+        self._slot_ids = torch.arange(num_slots, device=self.device)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         # Graphs replay one at a time on the engine thread and their logits are copied out
@@ -181,8 +184,8 @@ class ModelRunner:
         mask = self._positions[:kv_len].view(1, 1, 1, kv_len) <= pos.view(width, 1, 1, 1)
         step = StepContext(
             cache=self.cache,
-            slots=self._positions[:width],
-            slot_index=self._positions[:width].view(width, 1),
+            slots=self._slot_ids[:width],
+            slot_index=self._slot_ids[:width].view(width, 1),
             write_pos=write.to(dev, non_blocking=True).view(width, 1),
             mask=mask,
             kv_len=kv_len,

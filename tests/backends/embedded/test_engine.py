@@ -175,6 +175,19 @@ async def test_stats_count_the_steps_rows_and_tokens_of_a_batch(tiny_model_dir) 
         await eng.close()
 
 
+async def test_more_slots_than_positions(tiny_model_dir) -> None:
+    """Many short requests at once: a decode batch wider than the context length."""
+    eng = make_engine(tiny_model_dir, max_batch_size=24, max_model_len=16)
+    try:
+        batch = [[5 + i, 17, 42] for i in range(20)]
+        outs = await asyncio.gather(*(eng.generate(p, GREEDY) for p in batch))
+        alone = await eng.generate(batch[7], GREEDY)
+        assert all(len(o.output_ids) == 8 for o in outs)
+        assert outs[7].output_ids == alone.output_ids
+    finally:
+        await eng.close()
+
+
 async def test_stream_yields_tokens_as_they_come(engine: EmbeddedEngine) -> None:
     prompt = prompts(engine, 2)[1]
     chunks = [c async for c in engine.stream(prompt, GREEDY)]
