@@ -411,7 +411,14 @@ class EmbeddedEngine(InferenceBackend):
         except BaseException as exc:  # the loop itself broke: fail everyone, refuse new work
             log.exception("embedded engine loop died")
             self._fatal = exc
-            self._fail_all(exc)
+            # Callers get an ordinary exception: a SystemExit or KeyboardInterrupt raised in
+            # their asyncio task would stop their whole event loop.
+            error = (
+                exc
+                if isinstance(exc, Exception)
+                else RuntimeError(f"the engine loop died: {exc!r}")
+            )
+            self._fail_all(error)
 
     def _loop(self) -> None:
         while not self._stopping:

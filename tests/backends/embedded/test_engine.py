@@ -188,6 +188,24 @@ async def test_more_slots_than_positions(tiny_model_dir) -> None:
         await eng.close()
 
 
+async def test_a_dead_loop_fails_requests_with_an_ordinary_exception(tiny_model_dir) -> None:
+    """Whatever breaks the scheduling loop, even a SystemExit, reaches the callers as an
+    exception their event loop can handle, and the engine says it is dead."""
+    eng = make_engine(tiny_model_dir)
+    try:
+
+        def broken_step() -> None:
+            raise SystemExit("simulated crash")
+
+        eng._step = broken_step  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            await eng.generate([5, 17, 42], GREEDY)
+        with pytest.raises(RuntimeError, match="loop died"):
+            await eng.health()
+    finally:
+        await eng.close()
+
+
 async def test_stream_yields_tokens_as_they_come(engine: EmbeddedEngine) -> None:
     prompt = prompts(engine, 2)[1]
     chunks = [c async for c in engine.stream(prompt, GREEDY)]
