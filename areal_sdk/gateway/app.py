@@ -11,6 +11,7 @@ Routes: OpenAI ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from areal_sdk.disconnect import CancelOnDisconnect
 from areal_sdk.gateway import (
     anthropic_messages,
     openai_chat,
@@ -98,6 +100,9 @@ class _Metrics:
 
         try:
             await self.app(scope, receive, send_status)
+        except asyncio.CancelledError:
+            status = 499  # the client left before the answer (CancelOnDisconnect)
+            raise
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.requests.labels(route, str(status)).inc()
@@ -195,6 +200,8 @@ def create_app(
     _install_info_routes(app)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_Metrics, metrics=metrics)
+    # Outermost: a client that leaves cancels its generation, which aborts it in the engine.
+    app.add_middleware(CancelOnDisconnect)
     return app
 
 

@@ -42,6 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from areal_sdk.disconnect import CancelOnDisconnect
 from areal_sdk.inference import GenerateOutput, PauseMode
 
 # How long a weight-group collective may wait for the trainer.
@@ -563,6 +564,9 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             return Response(status_code=503)
         return Response(status_code=200)
 
+    # A client that leaves aborts its generation (as in SGLang) instead of leaving the
+    # engine sampling a reply nobody reads.
+    app.add_middleware(CancelOnDisconnect)
     return app
 
 

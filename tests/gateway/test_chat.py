@@ -152,3 +152,24 @@ def test_models_health_metrics(gateway, session, engine):
     text = httpx.get(gateway.base_url + "/metrics").text
     assert 'areal_gateway_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert "areal_gateway_tokens_total" in text and "areal_gateway_sessions_active 1.0" in text
+
+
+def test_a_client_that_leaves_stops_its_generation(gateway, engine):
+    """An agent that gives up (here, its HTTP timeout) must not leave the engine sampling a
+    reply nobody will read: the gateway cancels the call and the engine aborts it."""
+    import time
+
+    import openai
+
+    _, key = gateway.open_session(task_id="leave")
+    client = OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, timeout=0.3)
+    before = engine.stats().sampled_tokens
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(
+            model="m", messages=QUESTION, max_tokens=900, extra_body={"ignore_eos": True}
+        )
+    deadline = time.monotonic() + 10
+    while engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_running == 0
+    assert engine.stats().sampled_tokens - before < 900

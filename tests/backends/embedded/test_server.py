@@ -238,3 +238,19 @@ async def test_weight_group_routes_refuse_what_they_cannot_serve(client: httpx.A
     assert r.status_code == 400 and r.json()["success"] is False
     r = await client.post("/init_weights_update_group", json={"master_address": "127.0.0.1"})
     assert r.status_code == 400  # master_port, rank_offset and world_size are required
+
+
+def test_a_client_that_leaves_aborts_its_generation(server) -> None:
+    """As in SGLang: a /generate whose client disconnects stops sampling."""
+    import time
+
+    url, engine = server
+    before = engine.stats().sampled_tokens
+    body = {"input_ids": [5, 17, 42], "sampling_params": {**GREEDY, "max_new_tokens": 240}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/generate", json=body, timeout=0.1)
+    deadline = time.monotonic() + 10
+    while engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_running == 0
+    assert engine.stats().sampled_tokens - before < 240
