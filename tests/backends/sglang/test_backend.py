@@ -244,7 +244,7 @@ async def test_a_dropped_request_on_a_healthy_server_fails_alone(servers) -> Non
         with pytest.raises(ConnectionError, match="unavailable"):
             await backend.generate(PROMPT, SamplingParams(max_new_tokens=2))
         assert dropped and [s.url for s in backend.pool.live] == [url]
-        out = await backend.generate(PROMPT, SamplingParams(max_new_tokens=2))
+        out = await backend.generate(PROMPT, SamplingParams(max_new_tokens=2, ignore_eos=True))
         assert len(out.output_ids) == 2
     finally:
         await backend.close()
