@@ -72,7 +72,14 @@ class SupervisedEngine(InferenceBackend):
         return True
 
     async def restart_if_dead(self) -> bool:
-        """Rebuild the engine if it is dead; True when it was rebuilt."""
+        """Rebuild the engine if it is dead; True when it was rebuilt.
+
+        The rebuild runs in a task of its own: a caller cancelled meanwhile (a request whose
+        client left) does not stop it halfway, with the dead engine closed and no new one in
+        its place."""
+        return await asyncio.shield(asyncio.ensure_future(self._rebuild_if_dead()))
+
+    async def _rebuild_if_dead(self) -> bool:
         dead = self._engine
         async with self._restarting:
             if self._engine is not dead or await self._alive(dead):
