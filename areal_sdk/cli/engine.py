@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
-    from areal_sdk.backends.embedded.server import create_app
+    from areal_sdk.backends.embedded.server import KEEP_ALIVE_S, create_app
 
     try:
         with console.status(f"loading {args.model} on {args.device}"):
@@ -76,13 +76,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
     )
-    # Keep-alive above the clients' idle expiry, so a server never closes a connection a
-    # client is about to reuse.
     uvicorn.run(
         create_app(engine),
         host=args.host,
         port=args.port,
         log_level="warning",
-        timeout_keep_alive=30,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     return 0

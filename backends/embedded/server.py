@@ -45,6 +45,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from areal_sdk.disconnect import CancelOnDisconnect
 from areal_sdk.inference import GenerateOutput, PauseMode
 
+# Seconds an idle connection is kept open: above the SGLang client's idle expiry (2 s), so
+# the server never closes a connection that a client is about to reuse.
+KEEP_ALIVE_S = 30
+
 # How long a weight-group collective may wait for the trainer.
 WEIGHT_GROUP_TIMEOUT_S = 300.0
 
@@ -589,7 +593,7 @@ class ServerThread:
                 port=self.port,
                 log_level="warning",
                 lifespan="off",
-                timeout_keep_alive=30,
+                timeout_keep_alive=KEEP_ALIVE_S,
             )
         )
         self.thread = threading.Thread(
