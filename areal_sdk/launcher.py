@@ -1,4 +1,4 @@
-"""The local launcher: engine and gateway on loopback, sessions over HTTP, clean shutdown.
+"""The local launcher: engine and gateway on loopback, sessions in process, clean shutdown.
 
 The gateway runs on its own thread and event loop, so an agent that blocks (a synchronous
 SDK client inside an async function, a slow tool) can never stall the server that answers
@@ -8,17 +8,18 @@ it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import Any, TypeVar
 
 from areal_sdk.config import Config
+from areal_sdk.gateway.sessions import SessionError
+from areal_sdk.gateway.state import Gateway
 from areal_sdk.hookspecs import GatewayRoute
 from areal_sdk.inference import InferenceBackend
 from areal_sdk.plugin_host import PluginHost, get_host
@@ -28,6 +29,8 @@ from areal_sdk.tracing import EpisodeContext
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 ADMIN_TOKEN_ENV = "AREAL_SDK_ADMIN_TOKEN"
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 # In-process engines that are rebuilt, with the latest weights, when they die.
 SUPERVISED_BACKENDS = frozenset({"embedded"})
 
@@ -82,78 +85,79 @@ class RunSink:
 
 
 @dataclass
-class GatewaySessions:
-    """Sessions through the gateway's ``/rl/sessions`` routes (a ``SessionClient``).
+class InProcessSessions:
+    """Sessions on the gateway's own session manager, for a gateway on a thread of this
+    process (a ``SessionClient``).
 
-    After ``end`` the episode is read back from the store, so what the trainer gets is
-    exactly what was committed.
+    The same steps as the gateway's ``/rl/sessions`` routes, without their HTTP round trips.
+    In one interpreter each round trip runs the client's and the server's Python (httpx,
+    anyio, uvicorn, pydantic) under the GIL that the engine and the trainer also need: in
+    a profile of an asynchronous run, opening and ending sessions held it as long as the
+    agents' own calls did. The work runs on the gateway's event loop, the one thread that
+    owns the sessions. After ``end`` the episode is read back from the store, so what the
+    trainer gets is exactly what was committed.
     """
 
     base_url: str
-    admin_token: str
+    gateway: Gateway
     store: TrajectoryStore
     run_id: str = "train"
-    timeout_s: float = 60.0
-    _client: httpx.AsyncClient | None = field(default=None, repr=False)
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers={"Authorization": f"Bearer {self.admin_token}"},
-                timeout=self.timeout_s,
-            )
-        return self._client
+    async def _on_gateway(self, work: Coroutine[Any, Any, T]) -> T:
+        loop = self.gateway.loop
+        if loop is None:
+            raise LaunchError("the gateway has not started (no event loop)")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, loop))
 
     async def open(self, episode: Episode) -> str:
         episode.metadata["run_id"] = self.run_id
-        reply = await self._http().post(
-            "/rl/sessions",
-            json={
-                "episode_id": episode.id,
-                "task_id": episode.task_id,
-                "group_id": episode.group_id,
-                "metadata": episode.metadata,
-            },
-        )
-        if reply.status_code != 200:
-            raise LaunchError(
-                f"gateway refused a session ({reply.status_code}): {reply.text[:300]}"
-            )
-        return str(reply.json()["api_key"])
+
+        async def create() -> str:
+            return self.gateway.sessions.create(
+                task_id=episode.task_id,
+                group_id=episode.group_id,
+                metadata=episode.metadata,
+                episode_id=episode.id,
+            ).key
+
+        try:
+            return await self._on_gateway(create())
+        except SessionError as exc:
+            raise LaunchError(f"gateway refused a session ({exc.status}): {exc.message}") from exc
 
     async def end(self, ctx: EpisodeContext) -> Episode:
         ep = ctx.episode
-        for turn_id, value in ctx.turn_rewards.items():
-            await self._http().post(
-                f"/rl/sessions/{ep.id}/reward", json={"reward": value, "turn_id": turn_id}
+        sessions = self.gateway.sessions
+
+        async def finish() -> None:
+            session = sessions.by_id(ep.id)
+            if session is None:
+                raise SessionError(404, f"no open session for episode {ep.id}")
+            for turn_id, value in ctx.turn_rewards.items():
+                try:
+                    sessions.set_reward(session, value, turn_id)
+                except SessionError as exc:
+                    log.warning("reward for episode %s not recorded: %s", ep.id, exc.message)
+            await sessions.end(
+                session, status=ep.status, reward=ep.reward, error=ep.error, metadata=ep.metadata
             )
-        body = {
-            "status": ep.status.value,
-            "reward": ep.reward,
-            "error": ep.error,
-            "metadata": ep.metadata,
-        }
+
+        why = ""
         for attempt in range(5):
-            reply = await self._http().post(f"/rl/sessions/{ep.id}/end", json=body)
-            if reply.status_code == 200:
+            try:
+                await self._on_gateway(finish())
                 return await asyncio.to_thread(self.store.get, ep.id)
-            if reply.status_code != 503:
+            except SessionError as exc:
+                why = f"{exc.status}: {exc.message}"
                 break
-            await asyncio.sleep(0.2 * 2**attempt)  # the store was busy: the key is still valid
+            except Exception as exc:  # the store was busy: the session stays open, retry
+                why = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.2 * 2**attempt)
         # The gateway lost the session: keep the outcome (without turns) rather than drop it.
         ep.status = EpisodeStatus.FAILED
-        ep.error = (
-            ep.error
-            or f"gateway could not end the episode ({reply.status_code}): {reply.text[:200]}"
-        )
+        ep.error = ep.error or f"gateway could not end the episode ({why})"[:300]
         await asyncio.to_thread(self.store.append, ep, run_id=self.run_id)
         return ep
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
 
 class LocalStack:
@@ -174,6 +178,7 @@ class LocalStack:
         self.admin_token = secrets.token_urlsafe(24)
         self.engine: InferenceBackend | None = None
         self._gateway: ServerThread | None = None
+        self._gateway_state: Gateway | None = None
         self.url = ""
 
     def start(self) -> LocalStack:
@@ -193,6 +198,7 @@ class LocalStack:
             default_max_tokens=self.cfg.inference.max_new_tokens,
             host=self.host,
         )
+        self._gateway_state = app.state.gateway
         self._gateway = ServerThread(
             app, host=self.cfg.inference.host, port=self.cfg.inference.port, name="gateway"
         )
@@ -200,8 +206,9 @@ class LocalStack:
         self.host.install_routing(GatewayRoute(self.url))
         return self
 
-    def sessions(self, run_id: str) -> GatewaySessions:
-        return GatewaySessions(self.url, self.admin_token, self.store, run_id=run_id)
+    def sessions(self, run_id: str) -> InProcessSessions:
+        assert self._gateway is not None, "start the stack first"
+        return InProcessSessions(self.url, self._gateway_state, self.store, run_id=run_id)
 
     def stop(self) -> None:
         self.host.remove_routing()

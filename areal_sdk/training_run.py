@@ -230,10 +230,7 @@ class TrainingRun:
             agent, stack, f"eval-{label}", group_size=self.cfg.eval.samples, agent_kwargs=kwargs
         )
         self.on_event(f"evaluating the {label} policy on {len(self.eval_tasks)} held-out tasks")
-        try:
-            return await evaluate(controller, self.eval_tasks, version=version)
-        finally:
-            await controller.sessions.aclose()
+        return await evaluate(controller, self.eval_tasks, version=version)
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -308,10 +305,7 @@ class TrainingRun:
                 on_step=self.on_step,
             )
             started = time.perf_counter()
-            try:
-                result.reports = await trainer.train(self.tasks, leftovers=leftovers)
-            finally:
-                await controller.sessions.aclose()
+            result.reports = await trainer.train(self.tasks, leftovers=leftovers)
             self.on_event(
                 f"trained {len(result.reports)} steps in {time.perf_counter() - started:.0f} s; "
                 f"max staleness {trainer.max_seen_staleness}"

@@ -5,7 +5,9 @@ torch trainer, in-process weight pushes) on one device. The model is Qwen2-0.5B-
 layers, hidden 896, MLP 4864, 14 heads / 2 KV heads) with random weights and the test
 tokenizer (512 tokens, so the body, not the vocabulary, is the cost). Each task asks for a
 different number of new tokens (``--min-tokens`` to ``--max-tokens``, long-tailed), which is
-what makes waiting for the slowest generation expensive in synchronous RL. The reward is the
+what makes waiting for the slowest generation expensive in synchronous RL. Generations ignore
+EOS, so every setting generates the same tokens for the same tasks: when a learning model
+starts to stop early must not decide the comparison. The reward is the
 share of digits in the reply, something a random model can learn.
 
 Reports per setting: wall seconds per step after the first ``--warmup`` steps, training steps
@@ -53,6 +55,7 @@ async def solve(task):
         messages=[{"role": "user", "content": task["question"]}],
         max_tokens=task["max_tokens"],
         temperature=1.0,
+        extra_body={"ignore_eos": True},
     )
     text = reply.choices[0].message.content or ""
     return sum(c.isdigit() for c in text) / max(len(text), 1)

@@ -42,10 +42,7 @@ async def _rollout(cfg, config_dir: Path, run_id: str, progress, bar):  # type: 
         agent = load_agent(cfg.agent.entry, search_path=[config_dir, Path.cwd()])
         sessions = stack.sessions(run_id)
         controller = RolloutController.from_config(cfg, agent, sessions, host=host)
-        try:
-            summary = await controller.run(tasks, progress=lambda _e: progress.advance(bar))
-        finally:
-            await sessions.aclose()
+        summary = await controller.run(tasks, progress=lambda _e: progress.advance(bar))
     finally:
         await asyncio.to_thread(stack.stop)
         store.close()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -179,7 +181,13 @@ def create_app(
         max_model_len=int(max_model_len),
         default_max_tokens=default_max_tokens,
     )
-    app = FastAPI(title="areal-sdk gateway", version="0.1.0", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="areal-sdk gateway",
+        version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=_remember_loop,
+    )
     app.state.gateway = Gateway(
         generator=generator,
         sessions=sessions,
@@ -203,6 +211,12 @@ def create_app(
     # Outermost: a client that leaves cancels its generation, which aborts it in the engine.
     app.add_middleware(CancelOnDisconnect)
     return app
+
+
+@asynccontextmanager
+async def _remember_loop(app: FastAPI) -> AsyncIterator[None]:
+    app.state.gateway.loop = asyncio.get_running_loop()
+    yield
 
 
 def _install_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:

@@ -8,6 +8,7 @@ other key is a 401 in the caller's format.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -40,6 +41,9 @@ class Gateway:
     admin_token: str
     model_name: str
     created: int = 0
+    # The event loop serving the app (set at startup): in-process callers run session
+    # changes on it, the one thread that owns the session manager.
+    loop: asyncio.AbstractEventLoop | None = None
 
     def __post_init__(self) -> None:
         self.created = self.created or int(time.time())

@@ -548,22 +548,59 @@ class EmbeddedEngine(InferenceBackend):
                 budget -= take
                 row = RowInput(request.slot, request.num_computed, self._tokens(request, take))
                 prefill.append((request, row, take == remaining))
-        sampled: list[Request] = []
-        logits: list[torch.Tensor] = []
         stats = self._stats
         if prefill:
-            rows = [row for _, row, _ in prefill]
             stats.prefill_steps += 1
-            stats.prefill_tokens += sum(len(row.tokens) for row in rows)
-            out = self.runner.forward(rows)
+            stats.prefill_tokens += sum(len(row.tokens) for _, row, _ in prefill)
+        if decode:
+            stats.decode_steps += 1
+            stats.decode_rows += len(decode)
+        drawn = None
+        if decode and not prefill and all(r.temperature_only for r in decode):
+            drawn = self.runner.decode_sampled(
+                [r.slot for r in decode],
+                [r.seq_len - 1 for r in decode],
+                [r.token_at(r.seq_len - 1) for r in decode],
+                [r.sampling.temperature for r in decode],
+            )
+        if drawn is not None:
+            for request in decode:
+                request.num_computed += 1
+            sampled = decode
+            token_list, logprob_list = drawn
+            tops: list[list[tuple[int, float]] | None] = [None] * len(sampled)
+        else:
+            sampled, token_list, logprob_list, tops = self._forward_and_sample(prefill, decode)
+        if not sampled:
+            return
+        stats.sampled_tokens += len(token_list)
+        finished = []
+        for request, token, logprob, top in zip(
+            sampled, token_list, logprob_list, tops, strict=True
+        ):
+            request.append(token, logprob, version, self.tokenizer, top)
+            if request.finish_reason is not None:
+                finished.append(request)
+        for request in finished:
+            self._active.remove(request)
+            self._release(request)
+        self._deliver(sampled)
+
+    def _forward_and_sample(
+        self, prefill: list[tuple[Request, RowInput, bool]], decode: list[Request]
+    ) -> tuple[list[Request], list[int], list[float], list[list[tuple[int, float]] | None]]:
+        """Run the step's prefill and decode rows and sample from their logits: the
+        requests that drew a token, with the tokens, logprobs and top logprobs."""
+        sampled: list[Request] = []
+        logits: list[torch.Tensor] = []
+        if prefill:
+            out = self.runner.forward([row for _, row, _ in prefill])
             for i, (request, row, complete) in enumerate(prefill):
                 request.num_computed += len(row.tokens)
                 if complete:
                     sampled.append(request)
                     logits.append(out[i : i + 1])
         if decode:
-            stats.decode_steps += 1
-            stats.decode_rows += len(decode)
             out = self.runner.decode(
                 [r.slot for r in decode],
                 [r.seq_len - 1 for r in decode],
@@ -574,7 +611,7 @@ class EmbeddedEngine(InferenceBackend):
             sampled.extend(decode)
             logits.append(out)
         if not sampled:
-            return
+            return [], [], [], []
         batch = SamplingBatch.build(
             [
                 (
@@ -594,9 +631,6 @@ class EmbeddedEngine(InferenceBackend):
         result = sample(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
         # One device->host copy for both (float64 holds every token id exactly).
         both = torch.stack([result.tokens.double(), result.logprobs.double()]).tolist()
-        token_list = [int(t) for t in both[0]]
-        logprob_list = both[1]
-        stats.sampled_tokens += len(token_list)
         tops: list[list[tuple[int, float]] | None] = [None] * len(sampled)
         if result.top_ids is not None and result.top_logprobs is not None:
             top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
@@ -604,17 +638,7 @@ class EmbeddedEngine(InferenceBackend):
                 k = r.sampling.top_logprobs_num
                 if k > 0:
                     tops[i] = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-        finished = []
-        for request, token, logprob, top in zip(
-            sampled, token_list, logprob_list, tops, strict=True
-        ):
-            request.append(token, logprob, version, self.tokenizer, top)
-            if request.finish_reason is not None:
-                finished.append(request)
-        for request in finished:
-            self._active.remove(request)
-            self._release(request)
-        self._deliver(sampled)
+        return sampled, [int(t) for t in both[0]], both[1], tops
 
     @torch.inference_mode()
     def _score(self, ids: list[int]) -> list[float | None]:

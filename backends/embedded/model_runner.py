@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from areal_sdk.backends.embedded.kv_cache import ATTN_IMPLEMENTATION, SlotKVCache, StepContext
+from areal_sdk.backends.embedded.sampler import sample_temperature
 from areal_sdk.backends.embedded.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ class ModelRunner:
         # Decode rows are slots 0..width-1: their indices, apart from the positions above
         # (there may be more slots than positions).
         self._slot_ids = torch.arange(num_slots, device=self.device)
+        # Draws the noise of the decode graphs' sampling; a graph-safe generator of its own,
+        # apart from the one the engine samples with eagerly.
+        self.graph_generator = torch.Generator(device=self.device)
+        self.graph_generator.seed()
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         # Graphs replay one at a time on the engine thread and their logits are copied out
@@ -150,12 +155,58 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each of ``slots``; returns ``[len(slots), vocab]`` logits."""
+        width, graph, kv_needed = self._decode_shape(slots, positions)
+        ids, pos, write = self._decode_rows(width, slots, positions, tokens)
+        select = slots + [0] * (width - len(slots))
+        # One copy for the step's inputs and the rows to return.
+        packed = to_device([ids, pos, write, select], torch.long, self.device)
+        if graph is not None:
+            logits = graph.run(packed[:3])
+        else:
+            logits = self._decode_eager(packed[0], packed[1], packed[2], kv_len=kv_needed)
+        return logits.index_select(0, packed[3, : len(slots)]).float()
+
+    @torch.inference_mode()
+    def decode_sampled(
+        self, slots: list[int], positions: list[int], tokens: list[int], temperatures: list[float]
+    ) -> tuple[list[int], list[float]] | None:
+        """One decode step that also samples, inside the step's CUDA graph: each of ``slots``
+        draws a token at its temperature (0: greedy) as ``sample_temperature`` does. Returns
+        the tokens and their logprobs, or None when no sampling graph covers the step (the
+        caller then samples ``decode``'s logits).
+
+        The whole step is one input copy, one replay and one output copy. That matters
+        beside a trainer in the same process: every torch call releases and retakes the GIL,
+        and each retake can wait a switch interval for the trainer's thread."""
+        width, graph, _ = self._decode_shape(slots, positions)
+        if graph is None or graph.sampled is None:
+            return None
+        ids, pos, write = self._decode_rows(width, slots, positions, tokens)
+        temperature = [1.0] * width
+        for slot, t in zip(slots, temperatures, strict=True):
+            temperature[slot] = t
+        packed = to_device([ids, pos, write, temperature], torch.float64, self.device)
+        out = graph.run_sampled(packed).tolist()
+        return [int(out[0][s]) for s in slots], [out[1][s] for s in slots]
+
+    def _decode_shape(
+        self, slots: list[int], positions: list[int]
+    ) -> tuple[int, _DecodeGraph | None, int]:
+        """The step's width (rows are slots 0..width-1), its graph if one covers it, and the
+        cache length it attends over."""
         rows = max(slots) + 1
         bucket = next((b for b in self._graph_buckets if b >= rows), None)
-        width = bucket if bucket is not None else rows
-        # Rows are slots 0..width-1; idle rows write to the scratch column and look at
-        # position 0 of their own slot (finite, ignored). Built as lists and sent in one
-        # copy: the step's inputs and the rows to return.
+        kv_needed = max(positions) + 1
+        if bucket is None:
+            return rows, None, kv_needed
+        graph = self._graph(bucket, next(b for b in self._kv_buckets if b >= kv_needed))
+        return (bucket if graph is not None else rows), graph, kv_needed
+
+    def _decode_rows(
+        self, width: int, slots: list[int], positions: list[int], tokens: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        # Idle rows write to the scratch column and look at position 0 of their own slot
+        # (finite, ignored).
         ids = [0] * width
         pos = [0] * width
         write = [self.cache.scratch] * width
@@ -163,17 +214,7 @@ class ModelRunner:
             ids[slot] = token
             pos[slot] = position
             write[slot] = position
-        select = slots + [0] * (width - len(slots))
-        packed = to_device([ids, pos, write, select], torch.long, self.device)
-        kv_needed = max(positions) + 1
-        graph = None
-        if bucket is not None:
-            graph = self._graph(bucket, next(b for b in self._kv_buckets if b >= kv_needed))
-        if graph is not None:
-            logits = graph.run(packed[:3])
-        else:
-            logits = self._decode_eager(packed[0], packed[1], packed[2], kv_len=kv_needed)
-        return logits.index_select(0, packed[3, : len(slots)]).float()
+        return ids, pos, write
 
     def _decode_eager(
         self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, *, kv_len: int
@@ -261,30 +302,58 @@ def _buckets(num_slots: int) -> list[int]:
 
 class _DecodeGraph:
     """A CUDA graph of one decode step for ``width`` rows, attending over the first
-    ``kv_len`` positions of each row's cache."""
+    ``kv_len`` positions of each row's cache. It leaves the step's logits in ``logits`` and,
+    where the device's torch can capture the runner's generator, the tokens sampled from them
+    at each row's temperature in ``sampled`` (``[2, width]`` float64: ids, logprobs)."""
 
     def __init__(self, runner: ModelRunner, width: int, kv_len: int, pool: Any) -> None:
         dev = runner.device
         self.runner = runner
-        # The graph's static inputs: ids, positions and cache write positions, one row each.
-        self.inputs = torch.zeros(3, width, dtype=torch.long, device=dev)
+        # The graph's static inputs, one row each: ids, positions, cache write positions
+        # (integers, exact in float64) and temperatures.
+        self.inputs = torch.zeros(4, width, dtype=torch.float64, device=dev)
         self.inputs[2].fill_(runner.cache.scratch)
-        self.ids, self.pos, self.write = self.inputs.unbind(0)
+        self.inputs[3].fill_(1.0)
+        self.graph = torch.cuda.CUDAGraph()
+        # A generator used inside a graph must be registered with it, so that each replay
+        # draws fresh numbers (torch >= 2.6); without that, the graph only computes logits.
+        samples = hasattr(self.graph, "register_generator_state")
+        if samples:
+            self.graph.register_generator_state(runner.graph_generator)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor | None]:
+            ids, pos, write = self.inputs[:3].long().unbind(0)
+            logits = runner._decode_eager(ids, pos, write, kv_len=kv_len)
+            if not samples:
+                return logits, None
+            tokens, logprobs = sample_temperature(
+                logits.float(), self.inputs[3].float(), runner.graph_generator
+            )
+            return logits, torch.stack([tokens.double(), logprobs.double()])
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels and allocator pools outside the graph
-                runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
+                step()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (a trainer on the same device) do not
         # invalidate this capture; only this thread's own unsafe calls would.
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.logits = runner._decode_eager(self.ids, self.pos, self.write, kv_len=kv_len)
+            self.logits, self.sampled = step()
         log.info("captured a decode CUDA graph for %d rows over %d positions", width, kv_len)
 
     def run(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Replay on ``inputs`` (``[3, width]``: ids, positions, write positions)."""
-        self.inputs.copy_(inputs, non_blocking=True)
+        """Replay on ``inputs`` (``[3, width]``: ids, positions, write positions); return
+        the logits."""
+        self.inputs[:3].copy_(inputs, non_blocking=True)
         self.graph.replay()
         return self.logits
+
+    def run_sampled(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Replay on ``inputs`` (``[4, width]`` float64: ids, positions, write positions,
+        temperatures); return the sampled ``[2, width]`` ids and logprobs."""
+        assert self.sampled is not None
+        self.inputs.copy_(inputs, non_blocking=True)
+        self.graph.replay()
+        return self.sampled

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from areal_sdk.inference import FinishReason, GenerateChunk, GenerateOutput, SamplingParams
@@ -46,6 +47,14 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     # Tokens produced since the last chunk was delivered.
     pending_from: int = 0
+
+    @cached_property
+    def temperature_only(self) -> bool:
+        """Sampling sets nothing but a temperature (no truncation, seed or top logprobs),
+        so a decode graph can sample this request's tokens."""
+        s = self.sampling
+        truncates = s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0
+        return self.seed is None and s.top_logprobs_num == 0 and not truncates
 
     @property
     def seq_len(self) -> int:

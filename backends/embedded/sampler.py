@@ -122,8 +122,7 @@ class SampleResult:
 def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
     """Sample one token per row of float32 ``logits [R, V]``."""
     greedy = params.temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    logprobs = torch.log_softmax(logits / scale.view(-1, 1), dim=-1)
+    logprobs = _scaled_logprobs(logits, params.temperature)
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -136,14 +135,37 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
     return result
 
 
+def sample_temperature(
+    logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` for rows that set only a temperature (no truncation, no seed, no top
+    logprobs): the sampled tokens ``[R]`` and their logprobs ``[R]``. No host sync and no
+    data-dependent branch, so a CUDA graph can capture it."""
+    greedy = temperature <= 0
+    logprobs = _scaled_logprobs(logits, temperature)
+    noisy = logprobs + _device_gumbel(logits, generator)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+    return tokens, logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+
+
+def _scaled_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits / T)`` per row; greedy rows (``T <= 0``) use ``T = 1``."""
+    scale = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    return torch.log_softmax(logits / scale.view(-1, 1), dim=-1)
+
+
+def _device_gumbel(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    u = torch.rand(
+        logits.shape, device=logits.device, dtype=logits.dtype, generator=generator
+    ).clamp_(min=1e-10, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
 def _noise(params: SamplingBatch, logits: torch.Tensor) -> torch.Tensor:
     if params.all_seeded:
         assert params.seed is not None and params.step is not None
         return gumbel_noise(params.seed, params.step, logits.shape[-1])
-    u = torch.rand(
-        logits.shape, device=logits.device, dtype=logits.dtype, generator=params.generator
-    ).clamp_(min=1e-10, max=1.0 - 1e-7)
-    free = -torch.log(-torch.log(u))
+    free = _device_gumbel(logits, params.generator)
     if not params.any_seeded:
         return free
     assert params.seed is not None and params.step is not None and params.seeded is not None

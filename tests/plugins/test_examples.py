@@ -84,13 +84,7 @@ def test_example_runs_end_to_end_on_cpu(example, tiny_model_dir, tmp_path, monke
             reward_fn=reward,
         )
 
-        async def go():
-            try:
-                return await controller.run(tasks)
-            finally:
-                await sessions.aclose()
-
-        summary = asyncio.run(go())
+        summary = asyncio.run(controller.run(tasks))
     assert len(summary.episodes) == 2
     for episode in summary.episodes:
         assert episode.turns, f"{example}: no turn recorded ({episode.error})"

@@ -49,13 +49,7 @@ def _run(stack, agent, n: int = 8, run_id: str = "t"):
     controller = RolloutController(agent, sessions, concurrency=8, timeout_s=120)
     tasks = [{"id": f"{run_id}-{i}", "question": f"What is {i} + 1?"} for i in range(n)]
 
-    async def go():
-        try:
-            return await controller.run(tasks)
-        finally:
-            await sessions.aclose()
-
-    summary = asyncio.run(go())
+    summary = asyncio.run(controller.run(tasks))
     errors = [e.error for e in summary.episodes if e.error]
     assert not errors, errors
     return summary

@@ -1,0 +1,62 @@
+"""The sampler's temperature-only path (the one decode graphs capture) against the general one,
+and, on CUDA, the decode graph that samples inside itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
+from areal_sdk.backends.embedded.sampler import SamplingBatch, sample, sample_temperature
+
+
+def _generator(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def test_temperature_only_sampling_draws_what_the_general_sampler_draws() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    temps = [0.0, 1.0, 0.7, 1.3, 0.0, 1.0]
+    rows = [(t, -1, 1.0, 0.0, None, 0) for t in temps]
+    general = sample(logits, SamplingBatch.build(rows, logits.device, generator=_generator(5)))
+    tokens, logprobs = sample_temperature(logits, torch.tensor(temps), _generator(5))
+    assert tokens.tolist() == general.tokens.tolist()
+    torch.testing.assert_close(logprobs, general.logprobs)
+    # Greedy rows take the best token; every logprob is that of log_softmax(logits / T).
+    assert tokens[0] == logits[0].argmax() and tokens[4] == logits[4].argmax()
+    for row, t in enumerate(temps):
+        expected = torch.log_softmax(logits[row] / (t or 1.0), dim=-1)[tokens[row]]
+        torch.testing.assert_close(logprobs[row], expected)
+
+
+def test_temperature_only_sampling_follows_the_tempered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20_000, 4).contiguous()
+    temperature = torch.full((20_000,), 0.5)
+    tokens, _ = sample_temperature(logits, temperature, _generator(1))
+    freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.5, dim=-1), atol=0.01, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode graphs need CUDA")
+def test_decode_graph_samples_inside_the_graph(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
+    runner = ModelRunner(model, num_slots=4, max_len=64)
+    prompt = [1, 5, 9, 13]
+    runner.forward([RowInput(slot=s, start=0, tokens=prompt) for s in range(4)])
+    slots, positions, tokens = [0, 1, 2, 3], [4] * 4, [7] * 4
+    logits = runner.decode(slots, positions, tokens)
+    drawn = runner.decode_sampled(slots, positions, tokens, [0.0] * 4)
+    assert drawn is not None, "no sampling graph was captured"
+    greedy, logprobs = drawn
+    assert greedy == logits.argmax(dim=-1).tolist()
+    expected = torch.log_softmax(logits, dim=-1).gather(1, logits.argmax(-1, keepdim=True))
+    torch.testing.assert_close(torch.tensor(logprobs), expected.view(-1).cpu())
+    # Each replay draws fresh noise: at a high temperature the draws differ between replays.
+    draws = {tuple(runner.decode_sampled(slots, positions, tokens, [5.0] * 4)[0]) for _ in range(8)}
+    assert len(draws) > 1
