@@ -98,7 +98,7 @@ class InProcessSessions:
     trainer gets is exactly what was committed.
     """
 
-    base_url: str
+    base_url: str | None
     gateway: Gateway
     store: TrajectoryStore
     run_id: str = "train"

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from areal_sdk.compute_threads import call_in_fresh_thread, in_fresh_thread
 from areal_sdk.inference import (
     GenerateOutput,
     InferenceBackend,
@@ -44,7 +45,8 @@ class SupervisedEngine(InferenceBackend):
         max_restarts: int = 3,
     ) -> None:
         self._factory = factory
-        self._engine = factory()
+        # Built (and rebuilt) on a thread that exits: see ``compute_threads``.
+        self._engine = call_in_fresh_thread(factory)
         self.latest_weights = latest_weights
         self.on_restart = on_restart or (lambda message: log.warning(message))
         self.max_restarts = max_restarts
@@ -99,7 +101,7 @@ class SupervisedEngine(InferenceBackend):
                 await dead.close()
             except Exception:  # it is dead: closing is best effort
                 log.debug("closing the dead engine failed", exc_info=True)
-            fresh = await asyncio.to_thread(self._factory)
+            fresh = await in_fresh_thread(self._factory)
             weights = await self.latest_weights() if self.latest_weights else None
             if weights is not None:
                 source, version = weights

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_sdk.checkpoints import Checkpoints
+from areal_sdk.compute_threads import in_fresh_thread
 from areal_sdk.config import Config
 from areal_sdk.evaluation import EvalResult, evaluate
 from areal_sdk.inference import InferenceBackend, PauseMode
@@ -240,7 +241,7 @@ class TrainingRun:
         metrics = _sinks(cfg, self.run_dir, self.host)
         result = RunResult(steps=0, version=0, run_dir=self.run_dir)
         self.on_event("loading the train backend")
-        backend: TrainBackend = await asyncio.to_thread(
+        backend: TrainBackend = await in_fresh_thread(
             self.host.train_backend(cfg.train.backend), cfg
         )
         leftovers: list[Leftover] = []
@@ -248,7 +249,7 @@ class TrainingRun:
             # From the newest checkpoint, or from the start when the run died before its first.
             latest = self.checkpoints.latest()
             if latest is not None:
-                await asyncio.to_thread(backend.load, latest.path)
+                await in_fresh_thread(backend.load, latest.path)
             start = latest.step if latest is not None else 0
             released = store.release_consumed_from(start)
             leftovers = _leftover_groups(

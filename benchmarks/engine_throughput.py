@@ -29,6 +29,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from areal_sdk.compute_threads import call_in_fresh_thread  # noqa: E402
+
 QWEN_05B = dict(
     vocab_size=151936,
     hidden_size=896,
@@ -74,7 +76,10 @@ def bench_engine(model, args, concurrency: int, graphs: bool | None = None) -> d
 
     from areal_sdk.inference import SamplingParams
 
-    engine = EmbeddedEngine(
+    # Built on a thread of its own: allocating the cache runs torch on the building thread,
+    # and this one stays alive while the engine's thread computes.
+    engine = call_in_fresh_thread(
+        EmbeddedEngine,
         model,
         None,
         config=EngineConfig(
@@ -347,7 +352,10 @@ def main() -> None:
     )
     if args.prefill_chunk is None:
         args.prefill_chunk = 8192 if args.device.startswith("cuda") else 512
-    model = build_model(args.model, args.device, dtype)
+    # Every measurement, and the model load, on a thread that exits when done: a CPU thread
+    # that has run torch keeps an OpenMP team, and two live teams slow both down
+    # (areal_sdk/compute_threads.py); the engine's own thread is then the only one computing.
+    model = call_in_fresh_thread(build_model, args.model, args.device, dtype)
     header = {
         "model": args.model,
         "device": args.device,
@@ -367,7 +375,7 @@ def main() -> None:
     def part(fn, *a, **kw) -> None:
         """Run one measurement; a failure is recorded and the others still run."""
         try:
-            got = fn(*a, **kw)
+            got = call_in_fresh_thread(fn, *a, **kw)
         except Exception as exc:
             import traceback
 

@@ -57,10 +57,14 @@ def run(args: argparse.Namespace) -> int:
 
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
     from areal_sdk.backends.embedded.server import KEEP_ALIVE_S, create_app
+    from areal_sdk.compute_threads import call_in_fresh_thread
 
     try:
         with console.status(f"loading {args.model} on {args.device}"):
-            engine = EmbeddedEngine.from_pretrained(
+            # On a thread that exits: this one will serve HTTP and must not keep an OpenMP
+            # team beside the engine's (areal_sdk/compute_threads.py).
+            engine = call_in_fresh_thread(
+                EmbeddedEngine.from_pretrained,
                 args.model,
                 device=args.device,
                 dtype=args.dtype,

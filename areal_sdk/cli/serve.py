@@ -121,13 +121,16 @@ def _backend(cfg):
 
         return get_host().inference_backend(cfg.inference.backend)(cfg)
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
+    from areal_sdk.compute_threads import call_in_fresh_thread
 
     model = cfg.model.path or cfg.model.name
     if model is None:
         raise ValueError(
             "the config names no model: set model.path or model.name (or pass --model)"
         )
-    return EmbeddedEngine.from_pretrained(
+    # On a thread that exits, so this one keeps no OpenMP team (areal_sdk/compute_threads.py).
+    return call_in_fresh_thread(
+        EmbeddedEngine.from_pretrained,
         model,
         device=cfg.inference.device,
         dtype=cfg.model.dtype,
