@@ -316,7 +316,7 @@ class _DecodeGraph:
         self.inputs[3].fill_(1.0)
         self.graph = torch.cuda.CUDAGraph()
         # A generator used inside a graph must be registered with it, so that each replay
-        # draws fresh numbers (torch >= 2.6); without that, the graph only computes logits.
+        # draws fresh numbers; on a torch without that call the graph only computes logits.
         samples = hasattr(self.graph, "register_generator_state")
         if samples:
             self.graph.register_generator_state(runner.graph_generator)
