@@ -23,6 +23,7 @@ protocol; weights go by ``--push-method`` (``cuda_ipc`` on CUDA: SGLang's
 
     python benchmarks/e2e_staleness.py --device cuda --steps 10 --staleness 0,2,4 --json out.json
     python benchmarks/e2e_staleness.py --device cuda --engine-process ...   # engine apart
+    python benchmarks/e2e_staleness.py --device cuda --staleness 0,4 --rounds 3  # mean, spread
 """
 
 from __future__ import annotations
@@ -182,11 +183,13 @@ class EngineLoadSampler:
         }
 
 
-def run_setting(work: Path, model: Path, args: argparse.Namespace, staleness: int) -> dict:
+def run_setting(
+    work: Path, model: Path, args: argparse.Namespace, staleness: int, round_index: int = 0
+) -> dict:
     from areal_sdk.config import load_config
     from areal_sdk.training_run import TrainingRun
 
-    run_dir = work / f"run-s{staleness}"
+    run_dir = work / f"run-s{staleness}-r{round_index}"
     overrides = [
         f"model.path={model}",
         "agent.entry=bench_agent:solve",
@@ -459,6 +462,13 @@ def main() -> None:
         help="record a torch profiler trace of this many seconds after the warm-up (engine "
         "in process), into --profile-dir",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the --staleness list this many times, alternating the settings; the "
+        "summary gives each setting's mean and spread",
+    )
     parser.add_argument("--profile-staleness", type=int, default=2)
     parser.add_argument("--profile-dir", type=Path, default=Path("."))
     args = parser.parse_args()
@@ -472,26 +482,53 @@ def main() -> None:
     write_tasks(work / "tasks.jsonl", 512, args.min_tokens, args.max_tokens)
     model = build_model(work / "model", args.layers)
     results = []
-    for s in (int(x) for x in args.staleness.split(",")):
-        engine = None
-        try:
-            if args.engine_process:
-                engine, args.engine_url = start_engine(model, args)
-            row = run_setting(work, model, args, s)
-        except Exception as exc:  # one setting failing must not hide the others
-            row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            if engine is not None:
-                stop_engine(engine)
-        print(json.dumps(row), flush=True)
-        results.append(row)
-    base = next((r for r in results if r.get("max_staleness") == 0 and r.get("s_per_step")), None)
+    settings = [int(x) for x in args.staleness.split(",")]
+    # Rounds alternate the settings, so a machine that slows down part-way (shared hosts do)
+    # weighs on every setting alike.
+    for round_index in range(args.rounds):
+        for s in settings:
+            engine = None
+            try:
+                if args.engine_process:
+                    engine, args.engine_url = start_engine(model, args)
+                row = run_setting(work, model, args, s, round_index)
+            except Exception as exc:  # one setting failing must not hide the others
+                row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                if engine is not None:
+                    stop_engine(engine)
+            row["round"] = round_index
+            print(json.dumps(row), flush=True)
+            results.append(row)
     for r in results:
+        base = next(
+            (
+                b
+                for b in results
+                if b["round"] == r["round"] and b.get("max_staleness") == 0 and b.get("s_per_step")
+            ),
+            None,
+        )
         if base and r.get("s_per_step"):
             r["speedup_vs_sync"] = base["s_per_step"] / r["s_per_step"]
+    by_setting = {}
+    for s in settings:
+        times = [
+            r["s_per_step"] for r in results if r["max_staleness"] == s and r.get("s_per_step")
+        ]
+        if times:
+            by_setting[s] = {
+                "s_per_step_mean": statistics.fmean(times),
+                "s_per_step_stdev": statistics.stdev(times) if len(times) > 1 else 0.0,
+                "rounds": len(times),
+            }
+    if 0 in by_setting:
+        for entry in by_setting.values():
+            entry["speedup_of_means"] = by_setting[0]["s_per_step_mean"] / entry["s_per_step_mean"]
     summary = {
         "args": vars(args) | {"json": str(args.json), "profile_dir": str(args.profile_dir)},
         "results": results,
+        "by_setting": by_setting,
     }
     print(json.dumps(summary, indent=1))
     if args.json:
