@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import socket
 import sys
 
 from areal_sdk.cli._common import fail
@@ -152,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from areal_sdk.gateway import create_app
+    from areal_sdk.gateway.server import bind_tcp
     from areal_sdk.models import ModelNotFoundError
     from areal_sdk.store import TrajectoryStore
 
@@ -174,10 +174,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     host = cfg.inference.host
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, cfg.inference.port))
+        sock = bind_tcp(host, cfg.inference.port)
     except OSError as exc:
         return fail(f"cannot bind {host}:{cfg.inference.port}: {exc}")
     port = sock.getsockname()[1]
@@ -189,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"episodes:  {store.path}")
     print(f"new episode: curl -X POST {base}/rl/sessions -H 'Authorization: Bearer <admin key>'")
     sys.stdout.flush()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     try:
         server.run(sockets=[sock])
     finally:
