@@ -37,6 +37,7 @@ from areal_sdk.store import STORE_FILENAME, TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import check_agent_entry, load_agent, load_tasks
 from areal_sdk.train_backend import TrainBackend
+from areal_sdk.train_process import build_train_backend
 from areal_sdk.trainer import AsyncTrainer, Group, Leftover, StepReport, TrainingError
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
@@ -241,9 +242,7 @@ class TrainingRun:
         metrics = _sinks(cfg, self.run_dir, self.host)
         result = RunResult(steps=0, version=0, run_dir=self.run_dir)
         self.on_event("loading the train backend")
-        backend: TrainBackend = await in_fresh_thread(
-            self.host.train_backend(cfg.train.backend), cfg
-        )
+        backend: TrainBackend = await in_fresh_thread(build_train_backend, cfg, self.host)
         leftovers: list[Leftover] = []
         if self.resume:
             # From the newest checkpoint, or from the start when the run died before its first.

@@ -61,6 +61,17 @@ def test_a_short_run_trains_pushes_and_respects_the_staleness_bound(run_config, 
     assert (run_dir / "checkpoints" / "step-3" / "trainer_state.json").is_file()
 
 
+def test_a_run_with_the_trainer_in_its_own_process_pushes_its_weights(run_config):
+    cfg, result = _run(run_config(train={"separate_process": True}, run={"steps": 2}))
+    assert result.steps == 2 and result.version == 2
+    store, consumed = _consumed(cfg)
+    assert Counter(step for _, step in consumed) == {0: 4, 1: 4}
+    # The engine serves the child's pushed weights: evaluation tokens carry version 2.
+    evaluated = store.query(run_id="eval-trained")
+    assert {v for e in evaluated for t in e.turns for v in t.versions} == {2}
+    assert (result.run_dir / "checkpoints" / "step-2" / "trainer_state.json").is_file()
+
+
 def test_a_second_run_in_the_same_dir_needs_resume(run_config):
     path = run_config(run={"steps": 1})
     _run(path)
