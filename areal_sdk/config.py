@@ -112,6 +112,13 @@ class InferenceConfig(Section):
     max_new_tokens: int = Field(512, ge=1)
     prefill_chunk: int = Field(512, ge=1, description="embedded engine: prompt tokens per step")
     cuda_graphs: bool | None = Field(None, description="embedded engine: decode CUDA graphs")
+    recompute_kv_on_update: bool = Field(
+        True,
+        description="embedded engine: after a weight push, in-flight requests recompute their "
+        "keys and values under the new weights (exact, as AReaL's interruptible rollouts); "
+        "false keeps the old ones, which saves a prefill of every running request per push "
+        "(the decoupled loss weighs by the logprobs actually sampled with)",
+    )
     sglang_python: str | None = Field(
         None, description="sglang: python of the SGLang environment (default: this one)"
     )

@@ -69,12 +69,15 @@ class EngineConfig:
     ``max_batch_size`` KV slots of ``max_model_len`` positions each are allocated up front;
     more concurrent requests wait for a free slot. ``prefill_chunk`` bounds the prompt tokens
     fed in one step, so long prompts are split and decodes keep going between the chunks.
+    ``recompute_kv_on_update`` is what ``update_weights`` does with in-flight requests when
+    its caller does not say (see there).
     """
 
     max_batch_size: int = 32
     max_model_len: int = 4096
     prefill_chunk: int = 512
     cuda_graphs: bool | None = None  # None: on for CUDA
+    recompute_kv_on_update: bool = True
 
 
 @dataclass
@@ -274,14 +277,19 @@ class EmbeddedEngine(InferenceBackend):
         await self._call("abort_all", None)
 
     async def update_weights(
-        self, source: WeightSource, version: int, *, flush_cache: bool = True
+        self, source: WeightSource, version: int, *, flush_cache: bool | None = None
     ) -> None:
         """Load new weights between two steps; tokens sampled after carry ``version``.
 
-        With ``flush_cache`` (the default, as in SGLang) in-flight requests recompute their
-        keys and values under the new weights before their next token, so every later
-        logprob is exactly the new model's. Without it they keep the old prefix's cache.
+        With ``flush_cache`` (the default, as in SGLang; ``None`` takes the config's
+        ``recompute_kv_on_update``) in-flight requests recompute their keys and values under
+        the new weights before their next token, so every later logprob is exactly the new
+        model's. Without it they keep the old prefix's cache: the next tokens are sampled by
+        the new weights over keys and values of the old ones, and the logprobs reported are
+        those they were sampled with (what the decoupled loss needs as the behaviour policy).
         """
+        if flush_cache is None:
+            flush_cache = self.config.recompute_kv_on_update
         await self._call("update_weights", (source, int(version), flush_cache))
 
     async def set_version(self, version: int) -> None:

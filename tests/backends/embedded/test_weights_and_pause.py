@@ -10,7 +10,7 @@ import torch
 from areal_sdk.backends.embedded import EmbeddedEngine
 
 from areal_sdk.inference import PauseMode, SamplingParams
-from tests.backends.embedded.conftest import chat_prompt, full_forward_logprobs
+from tests.backends.embedded.conftest import chat_prompt, full_forward_logprobs, make_engine
 
 LONG = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -79,6 +79,31 @@ async def test_update_mid_stream_tags_versions_and_uses_new_weights(
             torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None
         )
     assert fresh.output_ids == ref[0, len(prompt) :].tolist() and fresh.versions == [1] * 8
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+async def test_an_update_recomputes_the_running_requests_cache_unless_configured_to_keep_it(
+    tiny_model_dir: Path, reference_model, recompute: bool
+) -> None:
+    engine = make_engine(tiny_model_dir, recompute_kv_on_update=recompute)
+    try:
+        tasks = [await started(engine, prompt_for(engine, i), LONG, 3) for i in range(3)]
+        await engine.pause(PauseMode.IN_PLACE)
+        before = engine.stats().prefill_tokens
+        await engine.update_weights(new_weights(reference_model), version=1)
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
+        recomputed = engine.stats().prefill_tokens - before
+        for out in outs:  # tokens after the update carry the new version either way
+            k = out.versions.index(1)
+            assert k >= 3 and out.versions[k:] == [1] * (len(out.versions) - k)
+        if recompute:  # every prompt and every token generated before the update, again
+            shortest = sum(len(prompt_for(engine, i)) + 2 for i in range(3))
+            assert recomputed >= shortest
+        else:
+            assert recomputed == 0
+    finally:
+        await engine.close()
 
 
 async def test_update_from_a_safetensors_directory(
