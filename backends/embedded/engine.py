@@ -77,6 +77,7 @@ class EngineConfig:
     max_model_len: int = 4096
     prefill_chunk: int = 512
     cuda_graphs: bool | None = None  # None: on for CUDA
+    packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
     recompute_kv_on_update: bool = True
 
 
@@ -126,6 +127,7 @@ class EmbeddedEngine(InferenceBackend):
             num_slots=self.config.max_batch_size,
             max_len=self.config.max_model_len,
             cuda_graphs=self.config.cuda_graphs,
+            packed_prefill=self.config.packed_prefill,
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)

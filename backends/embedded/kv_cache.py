@@ -7,6 +7,11 @@ it. A step's batch is ragged, ``[rows, tokens]``: row ``r`` feeds ``tokens`` new
 ``slots[r]`` starting at its own position, so one code path serves chunked prefill (one or a
 few rows of many tokens) and decode (many rows of one token).
 
+A prefill step may instead be *packed*: all its new tokens in one row, with the sequence
+boundaries of the queries and of the keys (each sequence's cached prefix, then its new
+tokens) for the flash varlen kernel. Padded rows pay for the longest row and a dense mask
+over the whole prefix; a packed step pays for its tokens only (``PackedRows``).
+
 The attention function is registered with transformers' ``AttentionInterface`` under
 ``areal_slots``; the model's own modules (projections, RoPE, MLP) run unchanged, and the
 step's context reaches every layer as the ``areal_step`` keyword argument. Without that
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from areal_sdk.backends.train.varlen_attention import flash_varlen
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -61,6 +67,26 @@ class SlotKVCache:
 
 
 @dataclass
+class PackedRows:
+    """The layout of a packed prefill step: ``T`` new tokens of ``S`` sequences in one row.
+
+    Sequence ``s`` feeds ``cu_q[s+1] - cu_q[s]`` queries and attends over
+    ``cu_k[s+1] - cu_k[s]`` keys: its cached prefix and its new tokens, which
+    ``key_slots`` / ``key_pos`` (``[sum of key lengths]``) gather from the cache after this
+    step's keys are written. ``starts`` (host ints) is where each sequence's new tokens begin.
+    """
+
+    cu_q: torch.Tensor  # [S+1] int32
+    cu_k: torch.Tensor  # [S+1] int32
+    max_q: int
+    max_k: int
+    key_slots: torch.Tensor  # [K] int64
+    key_pos: torch.Tensor  # [K] int64
+    starts: list[int]
+    flash: bool  # the flash varlen kernel; else causal SDPA per sequence
+
+
+@dataclass
 class StepContext:
     """What the attention function needs for one forward pass.
 
@@ -77,6 +103,7 @@ class StepContext:
     mask: torch.Tensor  # [rows, 1, tokens, kv_len] bool
     kv_len: int
     rows_are_slots: bool
+    packed: PackedRows | None = None
 
 
 def slot_attention(
@@ -104,6 +131,10 @@ def slot_attention(
     # tensors around a slice yields [rows, tokens, kv_heads, head_dim].
     k_cache[step.slot_index, :, step.write_pos] = key.transpose(1, 2).to(k_cache.dtype)
     v_cache[step.slot_index, :, step.write_pos] = value.transpose(1, 2).to(v_cache.dtype)
+    if step.packed is not None:
+        keys = k_cache[step.packed.key_slots, :, step.packed.key_pos]  # [K, kv_heads, dim]
+        values = v_cache[step.packed.key_slots, :, step.packed.key_pos]
+        return _packed_attention(query[0].transpose(0, 1), keys, values, step.packed, scaling)
     rows, heads, width, head_dim = query.shape
     if step.rows_are_slots:
         keys = k_cache[:rows, :, : step.kv_len]
@@ -131,6 +162,49 @@ def slot_attention(
         )
     out = out.reshape(rows, heads, width, head_dim)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    packed: PackedRows,
+    scaling: float | None,
+) -> tuple[torch.Tensor, None]:
+    """``[T, heads, dim]`` queries over ``[K, kv_heads, dim]`` keys; ``[1, T, heads, dim]``
+    out. Each sequence's last query sees all its keys (the causal mask is aligned at the
+    end, the cached prefix before the new tokens)."""
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    if packed.flash:
+        out = flash_varlen(
+            query,
+            keys,
+            values,
+            packed.cu_q,
+            packed.max_q,
+            scaling,
+            cu_seqlens_k=packed.cu_k,
+            max_len_k=packed.max_k,
+        )
+        return out.unsqueeze(0), None
+    # Per sequence, with an explicit mask: new token j of a sequence starting at position p
+    # sees positions 0..p+j.
+    cu_q, cu_k = packed.cu_q.tolist(), packed.cu_k.tolist()
+    parts = []
+    for s, start in enumerate(packed.starts):
+        q = query[cu_q[s] : cu_q[s + 1]].transpose(0, 1)
+        k = keys[cu_k[s] : cu_k[s + 1]].transpose(0, 1)
+        v = values[cu_k[s] : cu_k[s + 1]].transpose(0, 1)
+        n_q, n_k = q.shape[1], k.shape[1]
+        mask = torch.arange(n_k, device=q.device).view(1, n_k) <= (
+            start + torch.arange(n_q, device=q.device).view(n_q, 1)
+        )
+        parts.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] != k.shape[0]
+            ).transpose(0, 1)
+        )
+    return torch.cat(parts).unsqueeze(0), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)

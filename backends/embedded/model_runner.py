@@ -18,9 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from areal_sdk.backends.embedded.kv_cache import ATTN_IMPLEMENTATION, SlotKVCache, StepContext
+from areal_sdk.backends.embedded.kv_cache import (
+    ATTN_IMPLEMENTATION,
+    PackedRows,
+    SlotKVCache,
+    StepContext,
+)
 from areal_sdk.backends.embedded.sampler import sample_temperature
 from areal_sdk.backends.embedded.transfer import to_device
+from areal_sdk.backends.train.varlen_attention import flash_available
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,7 @@ class ModelRunner:
         num_slots: int,
         max_len: int,
         cuda_graphs: bool | None = None,
+        packed_prefill: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -62,6 +69,13 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self._set_attention(model)
+        # Prefill rows packed into one row for the flash varlen kernel (CUDA, half precision):
+        # no padding to the longest row, no dense mask over each prefix.
+        self._flash = flash_available(self.device) and self.dtype in (
+            torch.float16,
+            torch.bfloat16,
+        )
+        self.packed_prefill = self._flash if packed_prefill is None else packed_prefill
         self.cache = SlotKVCache(
             num_layers=cfg.num_hidden_layers,
             num_slots=num_slots,
@@ -76,6 +90,7 @@ class ModelRunner:
         self._backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._lm_head = model.get_output_embeddings()
         self._positions = torch.arange(max_len + 1, device=self.device)
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         # Decode rows are slots 0..width-1: their indices, apart from the positions above
         # (there may be more slots than positions).
         self._slot_ids = torch.arange(num_slots, device=self.device)
@@ -117,6 +132,8 @@ class ModelRunner:
             return self.decode(
                 [r.slot for r in rows], [r.start for r in rows], [r.tokens[0] for r in rows]
             )
+        if self.packed_prefill and logits_at is None:
+            return self._forward_packed(rows)
         n = len(rows)
         scratch = self.cache.scratch
         ids = torch.zeros((n, width), dtype=torch.long)
@@ -151,6 +168,56 @@ class ModelRunner:
         flat = hidden.reshape(n * width, -1)
         index = torch.tensor(logits_at if logits_at is not None else last, device=dev)
         return self._lm_head(flat.index_select(0, index)).float()
+
+    def _forward_packed(self, rows: list[RowInput]) -> torch.Tensor:
+        """``forward`` with every row's tokens in one packed row (see ``PackedRows``)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        key_slots: list[int] = []
+        key_pos: list[int] = []
+        cu_q, cu_k = [0], [0]
+        for r in rows:
+            t = len(r.tokens)
+            end = r.start + t
+            ids += r.tokens
+            pos += range(r.start, end)
+            slots += [r.slot] * t
+            key_slots += [r.slot] * end
+            key_pos += range(end)
+            cu_q.append(cu_q[-1] + t)
+            cu_k.append(cu_k[-1] + end)
+        n = len(ids)
+        dev = self.device
+        k, s = len(key_pos), len(cu_q)
+        # One host->device copy of everything, sliced on the device.
+        flat = to_device(ids + pos + slots + key_slots + key_pos + cu_q + cu_k, torch.long, dev)
+        ids_t, pos_t, slots_t = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        k_slots, k_pos = flat[3 * n : 3 * n + k], flat[3 * n + k : 3 * n + 2 * k]
+        bounds = flat[3 * n + 2 * k :].to(torch.int32)
+        packed = PackedRows(
+            cu_q=bounds[:s],
+            cu_k=bounds[s:],
+            max_q=max(len(r.tokens) for r in rows),
+            max_k=max(r.start + len(r.tokens) for r in rows),
+            key_slots=k_slots,
+            key_pos=k_pos,
+            starts=[r.start for r in rows],
+            flash=self._flash,
+        )
+        step = StepContext(
+            cache=self.cache,
+            slots=slots_t,
+            slot_index=slots_t.view(1, n),
+            write_pos=pos_t.view(1, n),
+            # A 4D mask stops transformers from building one; packed attention reads none.
+            mask=self._no_mask,
+            kv_len=0,
+            rows_are_slots=False,
+            packed=packed,
+        )
+        hidden = self._hidden(ids_t.view(1, n), pos_t.view(1, n), step)[0]
+        return self._lm_head(hidden.index_select(0, packed.cu_q[1:].long() - 1)).float()
 
     @torch.inference_mode()
     def decode(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:

@@ -46,15 +46,22 @@ def flash_available(device: torch.device) -> bool:
     return device.type == "cuda" and _FLASH_VARLEN is not None
 
 
-def _flash(
+def flash_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_len: int,
     scale: float | None,
+    *,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_len_k: int | None = None,
 ) -> torch.Tensor:
-    """``[N, H, D]`` inputs through the flash varlen kernel, causal, GQA native."""
+    """``[N, H, D]`` inputs through the flash varlen kernel, causal, GQA native.
+
+    With ``cu_seqlens_k`` the keys of a sequence may be longer than its queries (a cached
+    prefix, then the new tokens): the causal mask aligns the last query with the last key,
+    as flash-attention's does."""
     assert _FLASH_VARLEN is not None
     varlen_attn, params = _FLASH_VARLEN
     kwargs: dict[str, Any] = {"scale": scale}
@@ -70,7 +77,10 @@ def _flash(
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(
+        q, k, v, cu, cu_k, max_len, max_len if max_len_k is None else max_len_k, **kwargs
+    )
 
 
 def _per_sequence(
@@ -139,7 +149,7 @@ def varlen_attention_forward(
         if max_len is None:
             max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
-        out = _flash(q, k, v, cu_seqlens, int(max_len), scaling)
+        out = flash_varlen(q, k, v, cu_seqlens, int(max_len), scaling)
     else:
         bounds = [int(b) for b in cu_seqlens.tolist()]
         if bounds[0] != 0 or bounds[-1] != n:
