@@ -78,6 +78,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     cuda_graphs: bool | None = None  # None: on for CUDA
     packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
+    packed_weights: bool | None = None  # None: on for CPU (packed_linear.py)
     recompute_kv_on_update: bool = True
 
 
@@ -128,6 +129,7 @@ class EmbeddedEngine(InferenceBackend):
             max_len=self.config.max_model_len,
             cuda_graphs=self.config.cuda_graphs,
             packed_prefill=self.config.packed_prefill,
+            packed_weights=self.config.packed_weights,
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -481,7 +483,7 @@ class EmbeddedEngine(InferenceBackend):
             return None
         if kind == "update_weights":
             source, version, flush = payload
-            load_into(self.model, source)
+            self.runner.weights_changed(load_into(self.model, source))
             self._version = version
             if flush:
                 for request in self._active:

@@ -24,6 +24,7 @@ from areal_sdk.backends.embedded.kv_cache import (
     SlotKVCache,
     StepContext,
 )
+from areal_sdk.backends.embedded.packed_linear import PackedLinears, packed_linear_available
 from areal_sdk.backends.embedded.sampler import sample_temperature
 from areal_sdk.backends.embedded.transfer import to_device
 from areal_sdk.backends.train.varlen_attention import flash_available
@@ -60,6 +61,7 @@ class ModelRunner:
         max_len: int,
         cuda_graphs: bool | None = None,
         packed_prefill: bool | None = None,
+        packed_weights: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -69,6 +71,9 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self._set_attention(model)
+        if packed_weights is None:
+            packed_weights = packed_linear_available(self.device, self.dtype)
+        self.packed_linears = PackedLinears(model) if packed_weights else None
         # Prefill rows packed into one row for the flash varlen kernel (CUDA, half precision):
         # no padding to the longest row, no dense mask over each prefix.
         self._flash = flash_available(self.device) and self.dtype in (
@@ -120,6 +125,11 @@ class ModelRunner:
         except (AttributeError, ValueError):
             # Older transformers: the config attribute is what every attention layer reads.
             model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+    def weights_changed(self, names: list[str]) -> None:
+        """The model's tensors ``names`` were overwritten (a weight update)."""
+        if self.packed_linears is not None:
+            self.packed_linears.repack(names)
 
     # -- forward passes ---------------------------------------------------------------------
 

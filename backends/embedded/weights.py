@@ -57,10 +57,10 @@ def _canonical(name: str, own: Mapping[str, torch.Tensor]) -> str | None:
 
 
 @torch.no_grad()
-def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path | str) -> int:
+def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path | str) -> list[str]:
     """Copy every tensor of ``source`` into ``model``'s parameter or buffer of that name.
 
-    Returns how many tensors were copied. Raises ``WeightUpdateError`` naming the first
+    Returns the model's names of the tensors it wrote. Raises ``WeightUpdateError`` naming the first
     unknown name or mismatched shape; nothing is half-applied in that case when the source is
     a mapping (it is checked first). Directories are streamed tensor by tensor.
     """
@@ -75,17 +75,17 @@ def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path 
         # The source may come from another stream (a trainer in this process): wait for it,
         # since the engine copies on its own stream.
         torch.cuda.synchronize()
-    count = 0
+    written = []
     for name, tensor in iter_source(source):
-        target = own[_check(name, tensor, own)]
-        target.copy_(tensor.to(device=target.device, dtype=target.dtype), non_blocking=True)
-        count += 1
-    if count == 0:
+        key = _check(name, tensor, own)
+        own[key].copy_(tensor.to(device=own[key].device, dtype=own[key].dtype), non_blocking=True)
+        written.append(key)
+    if not written:
         raise WeightUpdateError("the weight source holds no tensors")
     if on_cuda:
         # Done before returning: the trainer may overwrite its tensors right after.
         torch.cuda.synchronize()
-    return count
+    return written
 
 
 def _check(name: str, tensor: torch.Tensor, own: Mapping[str, torch.Tensor]) -> str:

@@ -1,0 +1,77 @@
+"""Linear layers with their weights prepacked for oneDNN, for the engine on CPU.
+
+``F.linear`` on CPU hands a plain row-major weight to the GEMM library on every call, which
+re-blocks it before multiplying. At a decode step's shape (16 rows) that is most of the
+cost: SmolLM2's ``[16, 576] x [576, 49152]`` head takes 20 ms in float32 through
+``F.linear`` and 5.4 ms from a prepacked weight, a ``[16, 576] x [576, 1536]`` projection
+265 against 152 us (bf16: 161 against 91 us; ``benchmarks/engine.md``). This is what a CPU
+serving stack does (oneDNN's prepacked matmul, as torch's own inductor uses after
+freezing); the products are the same to float rounding.
+
+``PackedLinears(model)`` keeps every ``nn.Linear`` of the model as it is (its parameters
+still hold the weights, which ``load_into`` overwrites and tied embeddings share) and adds a
+packed copy that the module's forward multiplies with outside autograd. After parameters
+change, ``repack(names)`` rebuilds the copies of the layers whose weights they are; a
+forward that records gradients, or whose input has another dtype, takes ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch build can multiply prepacked ``dtype`` weights on ``device``."""
+    if device.type != "cpu" or dtype not in _DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    # Without native bf16 (AVX512-BF16 / AMX) oneDNN emulates it; F.linear is then no worse.
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+
+
+class PackedLinears:
+    """The packed weights of one model's linear layers (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.linears = [
+            m
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear)
+            and m.weight.device.type == "cpu"
+            and m.weight.dtype in _DTYPES
+        ]
+        # Every name a layer's weight goes by, tied names included (lm_head.weight is
+        # model.embed_tokens.weight in a tied model, and a source may write either).
+        self._by_name = {
+            name: [m for m in self.linears if m.weight is param]
+            for name, param in model.named_parameters(remove_duplicate=False)
+        }
+        self._packed: dict[int, torch.Tensor] = {}
+        self.repack()
+        for linear in self.linears:
+            linear.forward = functools.partial(self._forward, linear)  # type: ignore[method-assign]
+
+    @torch.no_grad()
+    def repack(self, names: Iterable[str] | None = None) -> None:
+        """Rebuild the packed copies of the layers whose weights ``names`` are (the
+        model's own parameter names, as ``load_into`` returns them); all without names."""
+        if names is None:
+            stale = self.linears
+        else:
+            stale = list({id(m): m for n in names for m in self._by_name.get(n, ())}.values())
+        for m in stale:
+            self._packed[id(m)] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+
+    def _forward(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed.get(id(linear))
+        if packed is None or x.dtype != linear.weight.dtype or torch.is_grad_enabled():
+            return F.linear(x, linear.weight, linear.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")

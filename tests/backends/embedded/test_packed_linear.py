@@ -1,0 +1,75 @@
+"""Prepacked CPU weights: the same logits as the plain model, repacked after a weight update
+(tied head included), and out of the way of autograd."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from areal_sdk.backends.embedded.packed_linear import PackedLinears, packed_linear_available
+from areal_sdk.backends.embedded.weights import load_into
+
+pytestmark = pytest.mark.skipif(
+    not packed_linear_available(torch.device("cpu"), torch.float32),
+    reason="this torch build has no oneDNN prepacked linear",
+)
+
+
+def _model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(3, 300, (3, 17), generator=torch.Generator().manual_seed(0))
+
+
+def test_packed_model_gives_the_plain_models_logits(tiny_model_dir: Path) -> None:
+    plain, packed = _model(tiny_model_dir), _model(tiny_model_dir)
+    linears = PackedLinears(packed)
+    assert len(linears.linears) >= 7 * 2 + 1  # every projection of both layers, and the head
+    with torch.inference_mode():
+        expected = plain(_ids()).logits
+        got = packed(_ids()).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_new_weights_reach_the_packed_copies_tied_head_included(tiny_model_dir: Path) -> None:
+    packed = _model(tiny_model_dir)
+    assert packed.config.tie_word_embeddings
+    linears = PackedLinears(packed)
+    # A trainer's state may name the tied matrix by its embedding's name only.
+    g = torch.Generator().manual_seed(1)
+    new = {
+        name: torch.randn(p.shape, generator=g) * 0.05
+        for name, p in packed.named_parameters()
+        if name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight")
+    }
+    linears.repack(load_into(packed, new))
+    reference = _model(tiny_model_dir)
+    load_into(reference, new)
+    with torch.inference_mode():
+        got = packed(_ids()).logits
+        expected = reference(_ids()).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_that_records_gradients_takes_the_plain_path(tiny_model_dir: Path) -> None:
+    model = _model(tiny_model_dir)
+    PackedLinears(model)
+    loss = model(_ids()).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_bf16_packed_logits_stay_within_bf16_rounding(tiny_model_dir: Path) -> None:
+    if not packed_linear_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no native bf16 on this CPU")
+    plain, packed = _model(tiny_model_dir, torch.bfloat16), _model(tiny_model_dir, torch.bfloat16)
+    PackedLinears(packed)
+    with torch.inference_mode():
+        expected = plain(_ids()).logits.float()
+        got = packed(_ids()).logits.float()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
