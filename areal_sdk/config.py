@@ -169,11 +169,12 @@ class TrainConfig(Section):
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="DeepSpeed JSON config merged over the generated one"
     )
-    separate_process: bool = Field(
-        False,
+    separate_process: bool | None = Field(
+        None,
         description="run the train backend in a child process of its own, so the engine, "
         "gateway and agents of this process do not hold the GIL between its kernel launches "
-        "(one trainer rank; weights reach the engine through shared memory, CUDA IPC on a GPU)",
+        "(one trainer rank; weights reach the engine through shared memory, CUDA IPC on a "
+        "GPU). Default: on for a trainer on CUDA that is not one rank of several",
     )
 
     @field_validator("betas")

@@ -71,7 +71,9 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(10, vocab - 10, (n, length), generator=gen).tolist()
 
 
-def bench_engine(model, args, concurrency: int, graphs: bool | None = None) -> dict:
+def bench_engine(
+    model, args, concurrency: int, graphs: bool | None = None, packed: bool | None = None
+) -> dict:
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
     from areal_sdk.inference import SamplingParams
@@ -87,6 +89,7 @@ def bench_engine(model, args, concurrency: int, graphs: bool | None = None) -> d
             max_model_len=args.prompt_len + args.new_tokens + 8,
             prefill_chunk=args.prefill_chunk,
             cuda_graphs=graphs,
+            packed_weights=packed,
         ),
     )
     vocab = engine.vocab_size
@@ -112,7 +115,9 @@ def bench_engine(model, args, concurrency: int, graphs: bool | None = None) -> d
     elapsed = asyncio.run(main())
     tokens = concurrency * args.new_tokens
     return {
-        "variant": "engine_eager" if graphs is False else "engine",
+        "variant": "engine_eager"
+        if graphs is False
+        else ("engine_unpacked" if packed is False else "engine"),
         "concurrency": concurrency,
         "seconds": round(elapsed, 3),
         "output_tokens": tokens,
@@ -342,6 +347,11 @@ def main() -> None:
     parser.add_argument(
         "--eager-too", action="store_true", help="also the top level without graphs"
     )
+    parser.add_argument(
+        "--unpacked-too",
+        action="store_true",
+        help="also the top level with plain weights (no oneDNN prepacking on CPU)",
+    )
     parser.add_argument("--check", action="store_true", help="first check correctness on --device")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -392,11 +402,17 @@ def main() -> None:
         part(bench_engine, model, args, c)
     if args.eager_too and levels:
         part(bench_engine, model, args, levels[-1], graphs=False)
+    if args.unpacked_too and levels:
+        part(bench_engine, model, args, levels[-1], packed=False)
     if args.profile and levels:
         part(profile_step, model, args, levels[-1])
     if args.weight_update:
         part(bench_weight_update, model)
     batches = [int(x) for x in args.hf_batch.split(",") if x]
+    if batches and args.device == "cpu":
+        # The engine packed the linear layers of the model it was given (packed_linear.py);
+        # plain generate runs on a fresh copy, as a user's model would be.
+        model = call_in_fresh_thread(build_model, args.model, args.device, dtype)
     for b in batches:
         part(bench_hf_generate, model, args, b)
     if args.hf_cb:

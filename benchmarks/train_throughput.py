@@ -120,6 +120,17 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
         ],
         False,
     ),
+    "deepspeed_compile_mb32k": (
+        [
+            "train.backend=deepspeed",
+            "train.zero_stage=0",
+            "train.attn_implementation=varlen",
+            "train.gradient_checkpointing=false",
+            "train.compile=true",
+            "train.micro_batch_tokens=32768",
+        ],
+        False,
+    ),
 }
 
 

@@ -16,7 +16,7 @@ from areal_sdk.backends.train.torch_backend import TorchBackend
 from areal_sdk.backends.weight_sync.in_process import InProcessSync
 
 from areal_sdk.config import Config
-from areal_sdk.train_process import TrainProcess, TrainProcessError
+from areal_sdk.train_process import TrainProcess, TrainProcessError, runs_apart
 from tests.backends.train.common import FIXED_SEQUENCE, loss_fn, micro_batches, single
 
 
@@ -127,3 +127,24 @@ def test_a_backend_that_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="missing") as caught:
         TrainProcess(config(tmp_path / "missing"))
     assert not isinstance(caught.value, TrainProcessError)  # the backend's own error
+
+
+@pytest.mark.parametrize(
+    ("train", "world_size", "apart"),
+    [
+        ({"device": "cuda"}, None, True),
+        ({"device": "cuda:1"}, "1", True),
+        ({"device": "cuda"}, "2", False),  # one rank of a DeepSpeed launch
+        ({"device": "cpu"}, None, False),
+        ({"device": "cuda", "separate_process": False}, None, False),
+        ({"device": "cpu", "separate_process": True}, "2", True),
+    ],
+)
+def test_a_single_rank_cuda_trainer_runs_apart_by_default(
+    monkeypatch: pytest.MonkeyPatch, train: dict, world_size: str | None, apart: bool
+) -> None:
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    assert runs_apart(Config(model={"path": "/models/m"}, train=train)) is apart

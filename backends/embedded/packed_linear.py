@@ -33,7 +33,8 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
-    # Without native bf16 (AVX512-BF16 / AMX) oneDNN emulates it; F.linear is then no worse.
+    # bf16 only where the CPU multiplies it natively (AVX512-BF16, AMX): the packed path was
+    # measured there, and elsewhere training already falls back to float32 for the same reason.
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
@@ -54,10 +55,9 @@ class PackedLinears:
             name: [m for m in self.linears if m.weight is param]
             for name, param in model.named_parameters(remove_duplicate=False)
         }
-        self._packed: dict[int, torch.Tensor] = {}
         self.repack()
         for linear in self.linears:
-            linear.forward = functools.partial(self._forward, linear)  # type: ignore[method-assign]
+            linear.forward = functools.partial(_forward, linear)  # type: ignore[method-assign]
 
     @torch.no_grad()
     def repack(self, names: Iterable[str] | None = None) -> None:
@@ -68,10 +68,11 @@ class PackedLinears:
         else:
             stale = list({id(m): m for n in names for m in self._by_name.get(n, ())}.values())
         for m in stale:
-            self._packed[id(m)] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+            # On the module itself, so a second engine over the same model shares the copies.
+            m._areal_packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
 
-    def _forward(self, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed.get(id(linear))
-        if packed is None or x.dtype != linear.weight.dtype or torch.is_grad_enabled():
-            return F.linear(x, linear.weight, linear.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
+
+def _forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != linear.weight.dtype or torch.is_grad_enabled():
+        return F.linear(x, linear.weight, linear.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, linear._areal_packed, linear.bias, "none", [], "")
