@@ -283,6 +283,7 @@ def profile_step(model, args, rows: int) -> dict:
         "tolist_ms": round(timed(lambda: sample(logits, batch).tokens.tolist()), 3),
     }
     runner.drop_graphs()
+    runner.release_model()
     return out
 
 
@@ -409,10 +410,6 @@ def main() -> None:
     if args.weight_update:
         part(bench_weight_update, model)
     batches = [int(x) for x in args.hf_batch.split(",") if x]
-    if batches and args.device == "cpu":
-        # The engine packed the linear layers of the model it was given (packed_linear.py);
-        # plain generate runs on a fresh copy, as a user's model would be.
-        model = call_in_fresh_thread(build_model, args.model, args.device, dtype)
     for b in batches:
         part(bench_hf_generate, model, args, b)
     if args.hf_cb:

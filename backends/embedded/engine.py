@@ -332,10 +332,13 @@ class EmbeddedEngine(InferenceBackend):
             if self._stopping:
                 return
             self._stopping = True
-            if self._thread is None:
-                return
-            self._inbox.put(None)
-        await asyncio.to_thread(self._thread.join, 30)
+            thread = self._thread
+            if thread is not None:
+                self._inbox.put(None)
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 30)
+        # The model may be the caller's: it leaves the engine as it came in.
+        self.runner.release_model()
 
     # -- submission (caller's thread) ------------------------------------------------------
 

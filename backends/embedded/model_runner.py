@@ -131,6 +131,12 @@ class ModelRunner:
         if self.packed_linears is not None:
             self.packed_linears.repack(names)
 
+    def release_model(self) -> None:
+        """Give the model's layers back their plain forward (the runner is done with it)."""
+        if self.packed_linears is not None:
+            self.packed_linears.remove()
+            self.packed_linears = None
+
     # -- forward passes ---------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -13,6 +13,8 @@ still hold the weights, which ``load_into`` overwrites and tied embeddings share
 packed copy that the module's forward multiplies with outside autograd. After parameters
 change, ``repack(names)`` rebuilds the copies of the layers whose weights they are; a
 forward that records gradients, or whose input has another dtype, takes ``F.linear``.
+``remove()`` gives the layers their plain forward back (the engine does so on close: the
+model may be the caller's).
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ class PackedLinears:
         for m in stale:
             # On the module itself, so a second engine over the same model shares the copies.
             m._areal_packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+
+    def remove(self) -> None:
+        """Give every layer its plain forward back and drop the packed copies."""
+        for m in self.linears:
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("_areal_packed", None)
 
 
 def _forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

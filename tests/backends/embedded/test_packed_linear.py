@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from areal_sdk.backends.embedded.engine import EmbeddedEngine
 from areal_sdk.backends.embedded.packed_linear import PackedLinears, packed_linear_available
 from areal_sdk.backends.embedded.weights import load_into
+
+from areal_sdk.inference import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not packed_linear_available(torch.device("cpu"), torch.float32),
@@ -73,3 +76,12 @@ def test_bf16_packed_logits_stay_within_bf16_rounding(tiny_model_dir: Path) -> N
         expected = plain(_ids()).logits.float()
         got = packed(_ids()).logits.float()
     assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
+async def test_a_closed_engine_leaves_the_model_as_it_came(tiny_model_dir: Path) -> None:
+    model = _model(tiny_model_dir)
+    engine = EmbeddedEngine(model)
+    assert "forward" in vars(model.lm_head)  # packed while the engine runs
+    await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
+    await engine.close()
+    assert not any("forward" in vars(m) or "_areal_packed" in vars(m) for m in model.modules())
