@@ -29,14 +29,18 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, 300, (3, 17), generator=torch.Generator().manual_seed(0))
 
 
+def _assert_same_logits(packed: torch.nn.Module, plain: torch.nn.Module) -> None:
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            packed(_ids()).logits, plain(_ids()).logits, rtol=1e-5, atol=1e-5
+        )
+
+
 def test_packed_model_gives_the_plain_models_logits(tiny_model_dir: Path) -> None:
     plain, packed = _model(tiny_model_dir), _model(tiny_model_dir)
     linears = PackedLinears(packed)
     assert len(linears.linears) >= 7 * 2 + 1  # every projection of both layers, and the head
-    with torch.inference_mode():
-        expected = plain(_ids()).logits
-        got = packed(_ids()).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _assert_same_logits(packed, plain)
 
 
 def test_new_weights_reach_the_packed_copies_tied_head_included(tiny_model_dir: Path) -> None:
@@ -53,10 +57,7 @@ def test_new_weights_reach_the_packed_copies_tied_head_included(tiny_model_dir: 
     linears.repack(load_into(packed, new))
     reference = _model(tiny_model_dir)
     load_into(reference, new)
-    with torch.inference_mode():
-        got = packed(_ids()).logits
-        expected = reference(_ids()).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _assert_same_logits(packed, reference)
 
 
 def test_a_forward_that_records_gradients_takes_the_plain_path(tiny_model_dir: Path) -> None:
