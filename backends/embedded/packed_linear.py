@@ -70,7 +70,7 @@ class PackedLinears:
         else:
             stale = list({id(m): m for n in names for m in self._by_name.get(n, ())}.values())
         for m in stale:
-            # On the module itself, so a second engine over the same model shares the copies.
+            # Kept on the module, where its forward reads it.
             m._areal_packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
 
     def remove(self) -> None:
