@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ from areal_sdk.gateway.state import Gateway
 from areal_sdk.hookspecs import GatewayRoute
 from areal_sdk.inference import InferenceBackend
 from areal_sdk.plugin_host import PluginHost, get_host
+from areal_sdk.server_thread import ServerStartError, ServerThread
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tracing import EpisodeContext
@@ -37,41 +36,6 @@ SUPERVISED_BACKENDS = frozenset({"embedded"})
 
 class LaunchError(RuntimeError):
     """A service could not start; the message says which and why."""
-
-
-class ServerThread:
-    """A uvicorn server for an ASGI app on its own thread; ``url`` once started."""
-
-    def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "server"
-    ) -> None:
-        import uvicorn
-
-        self.name = name
-        self._server = uvicorn.Server(
-            uvicorn.Config(
-                app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
-            )
-        )
-        self._thread = threading.Thread(target=self._server.run, name=f"areal-{name}", daemon=True)
-        self.url = ""
-
-    def start(self, timeout_s: float = 30.0) -> str:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise LaunchError(f"the {self.name} exited while starting (port in use?)")
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the {self.name} did not start within {timeout_s:g} s")
-            time.sleep(0.01)
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        return self.url
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
 
 
 class RunSink:
@@ -199,10 +163,13 @@ class LocalStack:
             host=self.host,
         )
         self._gateway_state = app.state.gateway
-        self._gateway = ServerThread(
-            app, host=self.cfg.inference.host, port=self.cfg.inference.port, name="gateway"
-        )
-        self.url = self._gateway.start()
+        try:
+            self._gateway = ServerThread(
+                app, host=self.cfg.inference.host, port=self.cfg.inference.port, name="gateway"
+            )
+            self.url = self._gateway.start()
+        except ServerStartError as exc:  # the port is taken, or the gateway failed to come up
+            raise LaunchError(str(exc)) from exc
         self.host.install_routing(GatewayRoute(self.url))
         return self
 

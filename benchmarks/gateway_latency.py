@@ -149,7 +149,8 @@ def main() -> None:
     import torch
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
-    from areal_sdk.gateway import GatewayServer, create_app
+    from areal_sdk.gateway import create_app
+    from areal_sdk.server_thread import ServerThread
     from areal_sdk.store import TrajectoryStore
     from tests.gateway.conftest import gateway_host
     from tests.tiny_model import build_tiny_model
@@ -168,13 +169,11 @@ def main() -> None:
         "model": "tiny (2-layer Qwen2, hidden 64, tests/tiny_model.py)",
         "max_tokens": args.max_tokens,
     }
-    with GatewayServer(app) as server:
-        results["latency"] = asyncio.run(
-            latency(engine, server.base_url, args.calls, args.max_tokens)
-        )
+    with ServerThread(app, name="gateway") as server:
+        results["latency"] = asyncio.run(latency(engine, server.url, args.calls, args.max_tokens))
         print(json.dumps(results["latency"]), flush=True)
         results["concurrency"] = asyncio.run(
-            sessions(server.base_url, args.sessions, args.max_tokens, args.connections)
+            sessions(server.url, args.sessions, args.max_tokens, args.connections)
         )
         print(json.dumps(results["concurrency"]), flush=True)
         results["episodes_stored"] = store.count()

@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from areal_sdk.gateway import create_app
-    from areal_sdk.gateway.server import bind_tcp
     from areal_sdk.models import ModelNotFoundError
+    from areal_sdk.server_thread import bind_tcp
     from areal_sdk.store import TrajectoryStore
 
     try:

@@ -12,22 +12,21 @@ CPU shared memory in one process; ``load_format`` null, ``direct`` or ``flattene
 engine keeps serving.
 
 >>> app = create_app(engine)            # a FastAPI app
->>> with ServerThread(app, port=0) as server: httpx.get(server.url + "/health")
+>>> from areal_sdk.server_thread import ServerThread
+>>> with ServerThread(app, name="engine-http", lifespan="off", keep_alive_s=KEEP_ALIVE_S) as s:
+...     httpx.get(s.url + "/health")
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import uvicorn
 from areal_sdk.backends.embedded.engine import EmbeddedEngine, EngineInputError
 from areal_sdk.backends.embedded.protocol import (
     GenerateRequest,
@@ -572,53 +571,3 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
     # engine sampling a reply nobody reads.
     app.add_middleware(CancelOnDisconnect)
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """Run an ASGI app under uvicorn in a background thread (tests, notebooks, ``serve``)."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host = host
-        self.port = port or free_port(host)
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=self.port,
-                log_level="warning",
-                lifespan="off",
-                timeout_keep_alive=KEEP_ALIVE_S,
-            )
-        )
-        self.thread = threading.Thread(
-            target=self.server.run, name="areal-engine-http", daemon=True
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the engine HTTP server did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -10,8 +10,9 @@ import httpx
 import pytest
 from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
-from areal_sdk.gateway import GatewayServer, create_app
+from areal_sdk.gateway import create_app
 from areal_sdk.plugin_host import PluginHost
+from areal_sdk.server_thread import ServerThread
 from areal_sdk.store import TrajectoryStore
 
 ADMIN = "test-admin-token"
@@ -69,8 +70,8 @@ def serve(engine: EmbeddedEngine, tmp_path: Path, **kwargs: object) -> Iterator[
         host=gateway_host(),
         **kwargs,
     )
-    with GatewayServer(app) as server:
-        yield Gateway(server.base_url, ADMIN, store, app)
+    with ServerThread(app, name="gateway") as server:
+        yield Gateway(server.url, ADMIN, store, app)
     store.close()
 
 

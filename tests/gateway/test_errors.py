@@ -10,8 +10,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from areal_sdk.gateway import GatewayServer, create_app
+from areal_sdk.gateway import create_app
 from areal_sdk.inference import GenerateOutput, InferenceBackend, PauseMode, SamplingParams
+from areal_sdk.server_thread import ServerThread
 from tests.gateway.conftest import ADMIN, gateway_host, serve
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -203,13 +204,13 @@ def test_engine_down_is_503(engine):
         admin_token=ADMIN,
         host=gateway_host(),
     )
-    with GatewayServer(app) as server:
-        c = OpenAI(base_url=server.base_url + "/v1", api_key=ADMIN, max_retries=0)
+    with ServerThread(app, name="gateway") as server:
+        c = OpenAI(base_url=server.url + "/v1", api_key=ADMIN, max_retries=0)
         with pytest.raises(openai.InternalServerError) as err:
             c.chat.completions.create(model="m", messages=ASK, max_tokens=2)
         assert err.value.status_code == 503 and err.value.body["code"] == "engine_unavailable"
-        a = anthropic.Anthropic(base_url=server.base_url, api_key=ADMIN, max_retries=0)
+        a = anthropic.Anthropic(base_url=server.url, api_key=ADMIN, max_retries=0)
         with pytest.raises(anthropic.APIStatusError) as aerr:
             a.messages.create(model="c", max_tokens=2, messages=ASK)
         assert aerr.value.status_code == 503
-        assert httpx.get(server.base_url + "/health").status_code == 503
+        assert httpx.get(server.url + "/health").status_code == 503

@@ -7,13 +7,23 @@ import httpx
 import pytest
 import torch
 from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
-from areal_sdk.backends.embedded.server import ServerThread, create_app
+from areal_sdk.backends.embedded.server import KEEP_ALIVE_S, create_app
+
+from areal_sdk.server_thread import ServerThread
 
 
 def make_engine(model_dir: Path, **config: object) -> EmbeddedEngine:
     settings = {"max_batch_size": 8, "max_model_len": 256, "prefill_chunk": 64, **config}
     return EmbeddedEngine.from_pretrained(
         str(model_dir), dtype="float32", config=EngineConfig(**settings)
+    )
+
+
+def engine_server(engine: EmbeddedEngine) -> ServerThread:
+    """The engine's SGLang routes on a loopback thread (not started): no lifespan (the app
+    has none to run) and the engine's keep-alive, longer than the SGLang client's."""
+    return ServerThread(
+        create_app(engine), name="engine-http", lifespan="off", keep_alive_s=KEEP_ALIVE_S
     )
 
 
@@ -36,7 +46,7 @@ def reference_model(tiny_model_dir: Path):
 def server(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
     """A real engine behind a real uvicorn server on 127.0.0.1."""
     eng = make_engine(tiny_model_dir)
-    with ServerThread(create_app(eng)) as srv:
+    with engine_server(eng) as srv:
         yield srv.url, eng
 
 

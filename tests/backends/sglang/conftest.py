@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 from areal_sdk.backends.embedded import EmbeddedEngine
-from areal_sdk.backends.embedded.server import ServerThread, create_app
 from areal_sdk.backends.sglang import SGLangBackend
 
-from tests.backends.embedded.conftest import make_engine
+from tests.backends.embedded.conftest import engine_server, make_engine
 
 # A stand-in for SGLang's `python -m sglang.launch_server` (which cannot run on these
 # machines): it serves the embedded engine, which speaks SGLang's routes, on the given port.
@@ -52,7 +51,9 @@ def servers(tiny_model_dir: Path) -> Iterator[list[tuple[str, object]]]:
     try:
         for _ in range(2):
             engine = make_engine(tiny_model_dir)
-            started.append((ServerThread(create_app(engine)).start(), engine))
+            srv = engine_server(engine)
+            srv.start()
+            started.append((srv, engine))
         yield [(srv.url, eng) for srv, eng in started]
     finally:
         for srv, _ in started:
@@ -63,7 +64,7 @@ def servers(tiny_model_dir: Path) -> Iterator[list[tuple[str, object]]]:
 def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
     """One embedded engine behind its SGLang routes, for a test of its own."""
     engine = make_engine(tiny_model_dir)
-    with ServerThread(create_app(engine)) as srv:
+    with engine_server(engine) as srv:
         yield srv.url, engine
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
-from areal_sdk.backends.embedded.server import ServerThread, create_app
 from areal_sdk.backends.sglang import NoServerLeft, SGLangBackend
 from areal_sdk.backends.train.torch_backend import TorchBackend
 from areal_sdk.backends.weight_sync import make_weight_sync
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_sdk.config import Config
 from areal_sdk.inference import PauseMode, SamplingParams
 from areal_sdk.plugin_host import get_host
-from tests.backends.embedded.conftest import full_forward_logprobs, make_engine
+from tests.backends.embedded.conftest import engine_server, full_forward_logprobs, make_engine
 from tests.backends.train.common import loss_fn, micro_batches, train_config
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 12]
@@ -25,9 +25,10 @@ LONG = SamplingParams(max_new_tokens=48, temperature=1.0, ignore_eos=True, seed=
 
 
 def dead_url() -> str:
-    from areal_sdk.backends.embedded.server import free_port
-
-    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again on exit: nothing listens there
+    return f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
@@ -142,7 +143,9 @@ async def test_disk_weight_update_while_requests_are_in_flight(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     engines = [make_engine(tiny_model_dir) for _ in range(2)]
-    threads = [ServerThread(create_app(e)).start() for e in engines]
+    threads = [engine_server(e) for e in engines]
+    for t in threads:
+        t.start()
     backend = SGLangBackend([t.url for t in threads], timeout_s=60)
     try:
         backend.connect()
