@@ -131,9 +131,13 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _triton_runnable(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_triton_kernel_equals_naive(temperature):
+@pytest.mark.parametrize("chunk_bytes", [None, 0], ids=["budget_chunks", "chunk_size"])
+def test_triton_kernel_equals_naive(temperature, chunk_bytes, monkeypatch):
+    from areal_sdk.kernels import fused_logprobs
     from areal_sdk.kernels.fused_logprobs import fused_logprobs_and_entropy
 
+    if chunk_bytes is not None:  # backward chunks of exactly chunk_size rows
+        monkeypatch.setattr(fused_logprobs, "BACKWARD_CHUNK_BYTES", chunk_bytes)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # T=70 and V=333 leave partial tiles in both directions.
     hidden, weight, labels = _inputs(70, 64, 333)
@@ -173,3 +177,24 @@ def test_triton_bfloat16_matches_float32_reference():
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
     assert _rel(got[2], want[2]) < 1e-2 and _rel(got[3], want[3]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton needs CUDA")
+def test_triton_bfloat16_logprobs_alone_over_several_chunks(monkeypatch):
+    """Entropy left out of the loss (its gradient never arrives), float32 dW summed in
+    cuBLAS over several backward chunks."""
+    pytest.importorskip("triton")
+    from areal_sdk.kernels import fused_logprobs
+
+    monkeypatch.setattr(fused_logprobs, "BACKWARD_CHUNK_BYTES", 0)
+    hidden, weight, labels = _inputs(300, 128, 5000, dtype=torch.bfloat16, seed=3)
+    hidden = hidden.detach().cuda().requires_grad_()
+    weight = weight.detach().cuda().requires_grad_()
+    labels = labels.cuda()
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    naive(h32, w32, labels)[0].sum().backward()
+    lp, _ = token_logprobs_and_entropy(hidden, weight, labels, chunk_size=64, backend="triton")
+    lp.sum().backward()
+    assert _rel(hidden.grad, h32.grad) < 1e-2 and _rel(weight.grad, w32.grad) < 1e-2

@@ -12,7 +12,8 @@ the gradient with respect to the logits directly (in the input dtype):
     dz = g_lp * (onehot(label) - p) - g_ent * p * (log p + H),   then / temperature
 
 and cuBLAS turns that chunk into dhidden = dz @ W and dW += dz.T @ hidden. Peak extra
-memory is one [chunk, V] tensor in the input dtype.
+memory is one [chunk, V] tensor in the input dtype: ``chunk_size`` rows, or more up to
+``BACKWARD_CHUNK_BYTES``.
 
 Needs triton and CUDA tensors (or ``TRITON_INTERPRET=1`` with CPU tensors, float32 only,
 for debugging). ``areal_sdk.logprobs`` is the entry point; it falls back to pure torch.
@@ -43,9 +44,17 @@ class TileConfig:
 # backward config is the one the full-size correctness check ran with.
 FORWARD_CONFIG = TileConfig(block_t=128, block_v=128, block_h=64, num_warps=8, num_stages=3)
 BACKWARD_CONFIG = TileConfig(block_t=64, block_v=128, block_h=64, num_warps=4, num_stages=3)
+# Hopper (sm_90) and later: the dlogits kernel on 128 x 256 tiles took the head's forward +
+# backward over 32k rows from 79.4 to 74.6 ms on an H100 (benchmarks/train_step_parts.py);
+# its 144 KiB of shared memory per program is more than smaller GPUs have.
+HOPPER_BACKWARD_CONFIG = TileConfig(block_t=128, block_v=256, block_h=64, num_warps=8, num_stages=3)
 FP32_CONFIG = TileConfig(block_t=32, block_v=64, block_h=32, num_warps=4, num_stages=2)
 # Aim for at least this many programs in the forward grid (a few per SM).
 _TARGET_PROGRAMS = 512
+# Backward chunks may grow past ``chunk_size`` rows up to a dz buffer of this size: each
+# chunk passes the float32 dW accumulator through memory once more (1 GiB of traffic per
+# chunk at a 152k vocabulary), so a few large chunks beat many small ones.
+BACKWARD_CHUNK_BYTES = 2 << 30
 
 
 @triton.jit
@@ -224,6 +233,12 @@ def _grad_logits_kernel(
     )
 
 
+def _backward_config(device: torch.device) -> TileConfig:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return HOPPER_BACKWARD_CONFIG
+    return BACKWARD_CONFIG
+
+
 def _config(dtype: torch.dtype, default: TileConfig) -> TileConfig:
     # float32 tiles need twice the shared memory per element; keep them small.
     return FP32_CONFIG if dtype == torch.float32 else default
@@ -288,7 +303,7 @@ def _grad_logits(
     """d(loss)/d(logits) for one chunk of rows, [c, V] in the input dtype."""
     n, h_dim = h.shape
     vocab = weight.shape[0]
-    cfg = _config(h.dtype, BACKWARD_CONFIG)
+    cfg = _config(h.dtype, _backward_config(h.device))
     dz = torch.empty((n, vocab), dtype=h.dtype, device=h.device)
     grid = (triton.cdiv(n, cfg.block_t), triton.cdiv(vocab, cfg.block_v))
     _grad_logits_kernel[grid](
@@ -318,6 +333,23 @@ def _grad_logits(
     return dz
 
 
+# bf16 x bf16 -> float32 products in cuBLAS (torch >= 2.9 on CUDA): the running float32 dW
+# is updated in the GEMM's epilogue instead of a bf16 product plus a separate add per chunk.
+_MIXED_ADDMM = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _accumulate_grad_w(
+    grad_w: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """``grad_w + dz.T @ h`` in float32 (``grad_w`` None: the first chunk)."""
+    if dz.dtype == torch.float32 or not (_MIXED_ADDMM and dz.is_cuda):
+        update = (dz.T @ h).float()
+        return update if grad_w is None else grad_w.add_(update)
+    if grad_w is None:
+        return torch.mm(dz.T, h, out_dtype=torch.float32)
+    return torch.addmm(grad_w, dz.T, h, out_dtype=torch.float32, out=grad_w)
+
+
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -335,6 +367,7 @@ class _FusedLogprobs(torch.autograd.Function):
         inv_temp = 1.0 / temperature
         lse, label_z, entropy = _forward_stats(hidden, weight, labels, inv_temp)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.set_materialize_grads(False)
         ctx.inv_temp = inv_temp
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
@@ -350,6 +383,7 @@ class _FusedLogprobs(torch.autograd.Function):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
+        # Unused outputs arrive as None (no materialised zeros): no entropy term then.
         g_lp = (
             grad_logprobs.float().contiguous()
             if grad_logprobs is not None
@@ -361,12 +395,11 @@ class _FusedLogprobs(torch.autograd.Function):
             else None
         )
         grad_h = torch.empty_like(hidden) if need_h else None
-        # float32 running sum over chunks, as in the torch path.
-        grad_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        )
-        for start in range(0, n, ctx.chunk_size):
-            rows = slice(start, min(start + ctx.chunk_size, n))
+        grad_w = None  # float32 running sum over chunks, as in the torch path
+        per_row = weight.shape[0] * hidden.element_size()
+        chunk = max(ctx.chunk_size, BACKWARD_CHUNK_BYTES // per_row // 128 * 128)
+        for start in range(0, n, chunk):
+            rows = slice(start, min(start + chunk, n))
             h = hidden[rows]
             dz = _grad_logits(
                 h,
@@ -379,10 +412,12 @@ class _FusedLogprobs(torch.autograd.Function):
                 ctx.inv_temp,
             )
             if need_h:
-                grad_h[rows] = dz @ weight
+                torch.mm(dz, weight, out=grad_h[rows])
             if need_w:
-                grad_w.add_(dz.T @ h)
+                grad_w = _accumulate_grad_w(grad_w, dz, h)
             del dz
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
