@@ -157,6 +157,13 @@ class TrainConfig(Section):
         description="varlen (per-sequence attention from the packing, flash varlen on CUDA) "
         "| sdpa (block-diagonal mask over the packed row) | eager | flash_attention_2",
     )
+    varlen_kernel: Literal["auto", "flash", "cudnn"] = Field(
+        "auto",
+        description="varlen attention on CUDA: flash (torch's flash-attention varlen over the "
+        "packed row), cudnn (cuDNN's fused attention over the sequences as a right-padded "
+        "batch; faster per token on Hopper, but pays for the padding) or auto (cudnn when "
+        "the padding adds at most 40% to the attention's cost, else flash)",
+    )
     logprob_chunk_size: int = Field(1024, ge=1, description="rows per vocab-projection chunk")
     padded_attention: bool = Field(
         False,

@@ -150,6 +150,7 @@ class DeepSpeedBackend(TrainBackend):
             chunk_size=self.cfg.logprob_chunk_size,
             logprob_backend=self.cfg.logprob_backend,
             padded_attention=self.cfg.padded_attention,
+            varlen_kernel=self.cfg.varlen_kernel,
             compile_layers=self.cfg.compile,
         )
         optimizer = torch.optim.AdamW(

@@ -77,6 +77,7 @@ class PackedPolicy(nn.Module):
         logprob_backend: str = "auto",
         padded_attention: bool = False,
         varlen_attention: bool = False,
+        varlen_kernel: str = "auto",
     ):
         super().__init__()
         head = policy.get_output_embeddings()
@@ -88,6 +89,7 @@ class PackedPolicy(nn.Module):
         self.chunk_size = chunk_size
         self.padded_attention = padded_attention
         self.varlen_attention = varlen_attention
+        self.varlen_kernel = varlen_kernel
 
     def forward(
         self,
@@ -126,7 +128,9 @@ class PackedPolicy(nn.Module):
 
         ``varlen_attention`` (``attn_implementation: varlen``) hands the sequence boundaries
         to the attention kernel, which attends within each sequence at the cost of its own
-        length squared. ``padded_attention`` runs the sequences as a right-padded ``[S, L]``
+        length squared; on CUDA, when the sequences are of similar length, cuDNN runs them
+        as a padded batch instead (``train.varlen_kernel``, ``varlen_attention.
+        padded_layout``). ``padded_attention`` runs the sequences as a right-padded ``[S, L]``
         batch: causal attention never looks at the padding after a sequence, so no mask is
         needed and SDPA can take its flash path at S x L^2 cost, where one packed row with a
         block-diagonal mask costs N^2; the price is the padding's share of every other layer.
@@ -135,7 +139,7 @@ class PackedPolicy(nn.Module):
         """
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         if self.varlen_attention:
-            longest = int(lengths.max())  # one host sync per micro-batch, not per layer
+            sizes = lengths.tolist()  # one host sync per micro-batch, not per layer
             return self.policy.base_model(
                 input_ids=input_ids[None],
                 position_ids=position_ids[None],
@@ -143,8 +147,9 @@ class PackedPolicy(nn.Module):
                 use_cache=False,
                 cu_seq_lens_q=cu_seqlens,
                 cu_seq_lens_k=cu_seqlens,
-                max_length_q=longest,
-                max_length_k=longest,
+                max_length_q=max(sizes),
+                max_length_k=max(sizes),
+                varlen_padded=varlen_attention.padded_layout(cu_seqlens, sizes, self.varlen_kernel),
             ).last_hidden_state[0]
         if not self.padded_attention or lengths.numel() <= 1:
             return self.policy.base_model(
@@ -179,6 +184,7 @@ def load_policy(
     logprob_backend: str = "auto",
     padded_attention: bool = False,
     compile_layers: bool = False,
+    varlen_kernel: str = "auto",
 ) -> PackedPolicy:
     """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
     from transformers import AutoModelForCausalLM
@@ -213,6 +219,7 @@ def load_policy(
         and not varlen
         and attn_implementation != "flash_attention_2",
         varlen_attention=varlen,
+        varlen_kernel=varlen_kernel,
     )
 
 

@@ -115,6 +115,7 @@ class TorchBackend(TrainBackend):
             chunk_size=self.cfg.logprob_chunk_size,
             logprob_backend=self.cfg.logprob_backend,
             padded_attention=self.cfg.padded_attention,
+            varlen_kernel=self.cfg.varlen_kernel,
             compile_layers=self.cfg.compile,
         ).to(self._device)
         self.optimizer = torch.optim.AdamW(
