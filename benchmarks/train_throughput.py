@@ -103,6 +103,17 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
         ],
         False,
     ),
+    # The same with flash varlen attention only (``auto`` pads equal-length sequences for cuDNN).
+    "varlen_compile_mb32k_flash": (
+        [
+            "train.attn_implementation=varlen",
+            "train.varlen_kernel=flash",
+            "train.gradient_checkpointing=false",
+            "train.compile=true",
+            "train.micro_batch_tokens=32768",
+        ],
+        False,
+    ),
     "padded": (
         [
             "train.attn_implementation=sdpa",
@@ -180,6 +191,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         args.profile.mkdir(parents=True, exist_ok=True)
         (args.profile / f"profile_{variant}.txt").write_text(table)
+        prof.export_chrome_trace(str(args.profile / f"trace_{variant}.json.gz"))
     n_params = sum(t.numel() for bucket in backend.state_for_sync(1 << 40) for _, t in bucket)
     extra = " + separate proximal forward" if separate_proximal else ""
     return {
