@@ -362,7 +362,7 @@ def main() -> None:
         else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     )
     if args.prefill_chunk is None:
-        args.prefill_chunk = 8192 if args.device.startswith("cuda") else 512
+        args.prefill_chunk = 8192 if args.device.startswith("cuda") else 2048
     # Every measurement, and the model load, on a thread that exits when done: a CPU thread
     # that has run torch keeps an OpenMP team, and two live teams slow both down
     # (areal_sdk/compute_threads.py); the engine's own thread is then the only one computing.

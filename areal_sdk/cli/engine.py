@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=4096, help="context per request, in tokens"
     )
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens fed per step")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens fed per step")
     parser.add_argument(
         "--served-model-name", default=None, help="the name /get_model_info reports"
     )

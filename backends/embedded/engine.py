@@ -75,10 +75,11 @@ class EngineConfig:
 
     max_batch_size: int = 32
     max_model_len: int = 4096
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     cuda_graphs: bool | None = None  # None: on for CUDA
     packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
     packed_weights: bool | None = None  # None: on for CPU (packed_linear.py)
+    fused_decoder: bool | None = None  # None: on for CPU where supported (fused_decoder.py)
     recompute_kv_on_update: bool = True
 
 
@@ -130,6 +131,7 @@ class EmbeddedEngine(InferenceBackend):
             cuda_graphs=self.config.cuda_graphs,
             packed_prefill=self.config.packed_prefill,
             packed_weights=self.config.packed_weights,
+            fused_decoder=self.config.fused_decoder,
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)

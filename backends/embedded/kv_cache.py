@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from areal_sdk.backends.embedded import cpu_attention
 from areal_sdk.backends.train.varlen_attention import flash_varlen
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
@@ -104,6 +105,8 @@ class StepContext:
     kv_len: int
     rows_are_slots: bool
     packed: PackedRows | None = None
+    # Decode steps on CPU: how many cached positions each row attends over (``cpu_attention``).
+    lengths: torch.Tensor | None = None
 
 
 def slot_attention(
@@ -136,6 +139,16 @@ def slot_attention(
         values = v_cache[step.packed.key_slots, :, step.packed.key_pos]
         return _packed_attention(query[0].transpose(0, 1), keys, values, step.packed, scaling)
     rows, heads, width, head_dim = query.shape
+    if step.lengths is not None and width == 1 and cpu_attention.usable(query):
+        out = cpu_attention.decode_attention(
+            query[:, :, 0],
+            k_cache,
+            v_cache,
+            step.slots,
+            step.lengths,
+            scaling if scaling is not None else head_dim**-0.5,
+        )
+        return out.unsqueeze(1), None
     if step.rows_are_slots:
         keys = k_cache[:rows, :, : step.kv_len]
         values = v_cache[:rows, :, : step.kv_len]

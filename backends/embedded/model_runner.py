@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from areal_sdk.backends.embedded import cpu_attention
+from areal_sdk.backends.embedded.fused_decoder import FusedDecoder
+from areal_sdk.backends.embedded.fused_decoder import supports as fused_decoder_supported
 from areal_sdk.backends.embedded.kv_cache import (
     ATTN_IMPLEMENTATION,
     PackedRows,
@@ -62,6 +65,7 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         packed_prefill: bool | None = None,
         packed_weights: bool | None = None,
+        fused_decoder: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -73,7 +77,13 @@ class ModelRunner:
         self._set_attention(model)
         if packed_weights is None:
             packed_weights = packed_linear_available(self.device, self.dtype)
-        self.packed_linears = PackedLinears(model) if packed_weights else None
+        if fused_decoder is None:
+            fused_decoder = self.device.type == "cpu" and fused_decoder_supported(model)
+        self.fused = FusedDecoder(model, packed=packed_weights) if fused_decoder else None
+        skip = self.fused.fused_linears if self.fused is not None else []
+        self.packed_linears = PackedLinears(model, skip=skip) if packed_weights else None
+        # Built (or loaded from its cache) now rather than in the first decode step.
+        self._cpu_attention = self.device.type == "cpu" and cpu_attention.available()
         # Prefill rows packed into one row for the flash varlen kernel (CUDA, half precision):
         # no padding to the longest row, no dense mask over each prefix.
         self._flash = flash_available(self.device) and self.dtype in (
@@ -130,12 +140,15 @@ class ModelRunner:
         """The model's tensors ``names`` were overwritten (a weight update)."""
         if self.packed_linears is not None:
             self.packed_linears.repack(names)
+        if self.fused is not None:
+            self.fused.weights_changed(names)
 
     def release_model(self) -> None:
         """Give the model's layers back their plain forward (the runner is done with it)."""
         if self.packed_linears is not None:
             self.packed_linears.remove()
             self.packed_linears = None
+        self.fused = None
 
     # -- forward passes ---------------------------------------------------------------------
 
@@ -314,6 +327,7 @@ class ModelRunner:
             mask=mask,
             kv_len=kv_len,
             rows_are_slots=True,
+            lengths=pos + 1 if self._cpu_attention else None,
         )
         hidden = self._hidden(
             ids.to(dev, non_blocking=True).view(width, 1), pos.view(width, 1), step
@@ -321,6 +335,8 @@ class ModelRunner:
         return self._lm_head(hidden[:, -1])
 
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.hidden(ids, pos, step)
         # A 4D attention_mask makes transformers skip its own mask construction (no host
         # syncs, so decode can be captured in a CUDA graph); the attention reads step.mask.
         out = self._backbone(

@@ -43,11 +43,15 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinears:
     """The packed weights of one model's linear layers (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()) -> None:
+        """Pack every linear layer of ``model`` but those in ``skip`` (which multiply weights
+        packed elsewhere, e.g. fused with their neighbours)."""
+        skipped = {id(m) for m in skip}
         self.linears = [
             m
             for m in model.modules()
             if isinstance(m, torch.nn.Linear)
+            and id(m) not in skipped
             and m.weight.device.type == "cpu"
             and m.weight.dtype in _DTYPES
         ]
@@ -71,7 +75,7 @@ class PackedLinears:
             stale = list({id(m): m for n in names for m in self._by_name.get(n, ())}.values())
         for m in stale:
             # Kept on the module, where its forward reads it.
-            m._areal_packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+            m._areal_packed = pack_weight(m.weight.detach())
 
     def remove(self) -> None:
         """Give every layer its plain forward back and drop the packed copies."""
@@ -80,7 +84,17 @@ class PackedLinears:
             m.__dict__.pop("_areal_packed", None)
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` reordered once into oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from ``pack_weight(weight)``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != linear.weight.dtype or torch.is_grad_enabled():
         return F.linear(x, linear.weight, linear.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, linear._areal_packed, linear.bias, "none", [], "")
+    return packed_linear(x, linear._areal_packed, linear.bias)

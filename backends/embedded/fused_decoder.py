@@ -1,0 +1,207 @@
+"""A lean forward for Llama-family decoders (Llama, Qwen2, Mistral), for the engine on CPU.
+
+On CPU a decode step is small (16 rows x 576 features for SmolLM2), so its cost is the
+number of operations and of Python calls, not their arithmetic. The transformers modules
+spend ~45 tensor operations per layer and several wrapper calls each (RMSNorm as seven ops,
+three projections where one would do, SiLU and product apart from the gate). This forward
+runs the same mathematics in ~25 operations per layer from the same parameters:
+
+- query, key and value come from one product with the three weights stacked, gate and up
+  from another (``FusedWeights``, rebuilt when a weight update writes a member);
+- RMSNorm is ``F.rms_norm`` (one kernel), rotary embedding is applied to queries and keys
+  together, with the cos/sin of the model's own rotary module (its scaling included);
+- attention is the engine's ``slot_attention`` over the slot KV cache, as on the HF path.
+
+It only takes models whose layers have exactly that structure (``supports``); any other
+model runs its transformers modules. Outputs equal the HF forward's to float rounding
+(``tests/backends/embedded/test_fused_decoder.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from areal_sdk.backends.embedded.kv_cache import StepContext, slot_attention
+from areal_sdk.backends.embedded.packed_linear import pack_weight, packed_linear
+
+MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Llama-family decoder this forward reproduces exactly."""
+    config = model.config
+    if getattr(config, "model_type", None) not in MODEL_TYPES:
+        return False
+    if getattr(config, "hidden_act", None) != "silu" or getattr(
+        config, "use_sliding_window", False
+    ):
+        return False
+    if getattr(config, "sliding_window", None) and config.model_type == "mistral":
+        return False
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return False
+    backbone = model.get_decoder()
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if not all(hasattr(backbone, name) for name in needed):
+        return False
+    return all(_layer_fits(layer) for layer in backbone.layers)
+
+
+def _layer_fits(layer: torch.nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    # Extra submodules (Qwen3's q_norm/k_norm, ...) mean mathematics this forward lacks.
+    known = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    return (
+        all(isinstance(p, torch.nn.Linear) for p in parts)
+        and all(n is not None and hasattr(n, "weight") for n in norms)
+        and set(dict(attn.named_children())) <= known
+    )
+
+
+class FusedWeights:
+    """One product's weights stacked from several linear layers (rows in order)."""
+
+    def __init__(self, linears: list[torch.nn.Linear], packed: bool) -> None:
+        self.linears = linears
+        self.packed = packed
+        self.splits = [m.out_features for m in linears]
+        self.weight: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.rebuild()
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        weight = torch.cat([m.weight.detach() for m in self.linears])
+        self.weight = pack_weight(weight) if self.packed else weight
+        biases = [m.bias for m in self.linears]
+        if all(b is None for b in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat(
+                [
+                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                    for m, b in zip(self.linears, biases, strict=True)
+                ]
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    module: torch.nn.Module
+    attn: torch.nn.Module
+    qkv: FusedWeights
+    gate_up: FusedWeights
+    o_proj: torch.nn.Linear
+    down_proj: torch.nn.Linear
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    eps_in: float
+    eps_post: float
+
+
+class FusedDecoder:
+    """The fused forward of one model's decoder (see the module docstring).
+
+    >>> decoder = FusedDecoder(model, packed=True)
+    >>> hidden = decoder.hidden(ids, positions, step)  # what the backbone returns
+    """
+
+    def __init__(self, model: torch.nn.Module, *, packed: bool) -> None:
+        backbone = model.get_decoder()
+        cfg = model.config
+        self.embed = backbone.embed_tokens
+        self.rotary = backbone.rotary_emb
+        self.final_norm = backbone.norm
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
+        self.layers = [self._layer(layer, packed) for layer in backbone.layers]
+        # Which fused product each parameter feeds, by every name it goes by.
+        by_param: dict[int, list[FusedWeights]] = {}
+        for layer in self.layers:
+            for fused in (layer.qkv, layer.gate_up):
+                for m in fused.linears:
+                    for p in m.parameters():
+                        by_param.setdefault(id(p), []).append(fused)
+        self._by_name = {
+            name: by_param[id(p)]
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in by_param
+        }
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module, packed: bool) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(
+            module=layer,
+            attn=attn,
+            qkv=FusedWeights([attn.q_proj, attn.k_proj, attn.v_proj], packed),
+            gate_up=FusedWeights([mlp.gate_proj, mlp.up_proj], packed),
+            o_proj=attn.o_proj,
+            down_proj=mlp.down_proj,
+            norm_in=layer.input_layernorm.weight,
+            norm_post=layer.post_attention_layernorm.weight,
+            eps_in=_eps(layer.input_layernorm),
+            eps_post=_eps(layer.post_attention_layernorm),
+        )
+
+    @property
+    def fused_linears(self) -> list[torch.nn.Linear]:
+        """The linear layers whose products run fused here (no packed copy needed)."""
+        return [m for layer in self.layers for f in (layer.qkv, layer.gate_up) for m in f.linears]
+
+    def weights_changed(self, names: Iterable[str]) -> None:
+        """Rebuild the fused products that parameters ``names`` belong to."""
+        stale = {id(f): f for n in names for f in self._by_name.get(n, ())}
+        for fused in stale.values():
+            fused.rebuild()
+
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """``[rows, tokens, hidden]`` final hidden states for ``ids`` at positions ``pos``."""
+        hidden = self.embed(ids)
+        cos, sin = self.rotary(hidden, position_ids=pos)
+        # [rows, tokens, 1, head_dim]: broadcast over the query and key heads together.
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        rows, tokens = ids.shape
+        q_width = self.heads * self.head_dim
+        qk_heads = self.heads + self.kv_heads
+        for layer in self.layers:
+            x = F.rms_norm(hidden, hidden.shape[-1:], layer.norm_in, layer.eps_in)
+            qkv = layer.qkv(x)
+            qk = qkv[..., : qk_heads * self.head_dim].view(rows, tokens, qk_heads, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            query = qk[:, :, : self.heads].transpose(1, 2)
+            key = qk[:, :, self.heads :].transpose(1, 2)
+            value = qkv[..., q_width + self.kv_heads * self.head_dim :]
+            value = value.view(rows, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+            out, _ = slot_attention(
+                layer.attn, query, key, value, None, scaling=layer.attn.scaling, areal_step=step
+            )
+            hidden = hidden + layer.o_proj(out.reshape(rows, tokens, q_width))
+            x = F.rms_norm(hidden, hidden.shape[-1:], layer.norm_post, layer.eps_post)
+            gate, up = layer.gate_up(x).split(layer.gate_up.splits, dim=-1)
+            hidden = hidden + layer.down_proj(F.silu(gate) * up)
+        return self.final_norm(hidden)
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(eps if eps is not None else getattr(norm, "eps", 1e-6))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
