@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from areal_sdk.backends.embedded import cpu_attention
+from areal_sdk.backends.embedded import cpu_kernels
 from areal_sdk.backends.train.varlen_attention import flash_varlen
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
@@ -105,7 +105,7 @@ class StepContext:
     kv_len: int
     rows_are_slots: bool
     packed: PackedRows | None = None
-    # Decode steps on CPU: how many cached positions each row attends over (``cpu_attention``).
+    # Decode steps on CPU: how many cached positions each row attends over (``cpu_kernels``).
     lengths: torch.Tensor | None = None
 
 
@@ -139,8 +139,8 @@ def slot_attention(
         values = v_cache[step.packed.key_slots, :, step.packed.key_pos]
         return _packed_attention(query[0].transpose(0, 1), keys, values, step.packed, scaling)
     rows, heads, width, head_dim = query.shape
-    if step.lengths is not None and width == 1 and cpu_attention.usable(query):
-        out = cpu_attention.decode_attention(
+    if step.lengths is not None and width == 1 and cpu_kernels.usable(query):
+        out = cpu_kernels.decode_attention(
             query[:, :, 0],
             k_cache,
             v_cache,

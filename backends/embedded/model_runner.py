@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from areal_sdk.backends.embedded import cpu_attention
+from areal_sdk.backends.embedded import cpu_kernels
 from areal_sdk.backends.embedded.fused_decoder import FusedDecoder
 from areal_sdk.backends.embedded.fused_decoder import supports as fused_decoder_supported
 from areal_sdk.backends.embedded.kv_cache import (
@@ -83,7 +83,7 @@ class ModelRunner:
         skip = self.fused.fused_linears if self.fused is not None else []
         self.packed_linears = PackedLinears(model, skip=skip) if packed_weights else None
         # Built (or loaded from its cache) now rather than in the first decode step.
-        self._cpu_attention = self.device.type == "cpu" and cpu_attention.available()
+        self._cpu_kernels = self.device.type == "cpu" and cpu_kernels.available()
         # Prefill rows packed into one row for the flash varlen kernel (CUDA, half precision):
         # no padding to the longest row, no dense mask over each prefix.
         self._flash = flash_available(self.device) and self.dtype in (
@@ -327,7 +327,7 @@ class ModelRunner:
             mask=mask,
             kv_len=kv_len,
             rows_are_slots=True,
-            lengths=pos + 1 if self._cpu_attention else None,
+            lengths=pos + 1 if self._cpu_kernels else None,
         )
         hidden = self._hidden(
             ids.to(dev, non_blocking=True).view(width, 1), pos.view(width, 1), step

@@ -15,8 +15,9 @@ same). When truncation is active, the exact probability the sampler used is that
 renormalised over the kept set: ``logprob - logsumexp(kept logprobs)``, always >= the
 returned value. Leave top_p=1, top_k=-1, min_p=0 for RL when the two must coincide.
 
-Randomness. Each row samples by Gumbel-max. A seeded row's noise comes from a counter-based
-hash of ``(seed, step)``, where ``step`` is the number of tokens the request has already
+Randomness. Each row samples by Gumbel-max (on CPU, rows that set only a temperature sample
+by inverse CDF with one uniform each, ``cpu_kernels``: the same distribution). A seeded
+row's noise comes from a counter-based hash of ``(seed, step)``, where ``step`` is the number of tokens the request has already
 produced, so a seeded request draws the same tokens whatever else shares its batch, and after
 a retraction or a re-prefill. Unseeded rows draw from a device RNG (one fast kernel): the
 engine passes its own generator, so a trainer seeding the device's default one never moves it.
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from areal_sdk.backends.embedded import cpu_kernels
 from areal_sdk.backends.embedded.transfer import to_device
 
 _M32 = 0xFFFFFFFF
@@ -121,6 +123,11 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
     """Sample one token per row of float32 ``logits [R, V]``."""
+    if _cpu_kernel_takes(logits, params):
+        tokens, logprobs = cpu_kernels.sample_temperature(
+            logits, params.temperature, params.generator
+        )
+        return SampleResult(tokens, logprobs)
     greedy = params.temperature <= 0
     logprobs = _scaled_logprobs(logits, params.temperature)
     if params.all_greedy:
@@ -133,6 +140,17 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
         k = min(params.top_logprobs, logprobs.shape[-1])
         result.top_logprobs, result.top_ids = logprobs.topk(k, dim=-1)
     return result
+
+
+def _cpu_kernel_takes(logits: torch.Tensor, params: SamplingBatch) -> bool:
+    """Rows on CPU that set only a temperature go to the inverse-CDF kernel (one uniform per
+    row from the same generator, the same distribution as Gumbel-max)."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and not (params.any_truncation or params.any_seeded or params.top_logprobs > 0)
+        and cpu_kernels.available()
+    )
 
 
 def sample_temperature(

@@ -1,5 +1,6 @@
 """The sampler's temperature-only path (the one decode graphs capture) against the general one,
-and, on CUDA, the decode graph that samples inside itself."""
+the CPU kernel that samples temperature-only rows by inverse CDF, and, on CUDA, the decode
+graph that samples inside itself."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from areal_sdk.backends.embedded import cpu_kernels, sampler
 from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
 from areal_sdk.backends.embedded.sampler import SamplingBatch, sample, sample_temperature
+
+needs_cpu_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="the CPU kernels could not be built here"
+)
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -17,7 +23,11 @@ def _generator(seed: int) -> torch.Generator:
     return g
 
 
-def test_temperature_only_sampling_draws_what_the_general_sampler_draws() -> None:
+def test_temperature_only_sampling_draws_what_the_general_sampler_draws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The general torch path, as on CUDA (on CPU these rows would go to the kernel).
+    monkeypatch.setattr(sampler, "_cpu_kernel_takes", lambda *_: False)
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     temps = [0.0, 1.0, 0.7, 1.3, 0.0, 1.0]
@@ -39,6 +49,41 @@ def test_temperature_only_sampling_follows_the_tempered_distribution() -> None:
     tokens, _ = sample_temperature(logits, temperature, _generator(1))
     freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
     torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.5, dim=-1), atol=0.01, rtol=0)
+
+
+def _temperature_rows(temps: list[float]) -> list[tuple[float, int, float, float, None, int]]:
+    return [(t, -1, 1.0, 0.0, None, 0) for t in temps]
+
+
+@needs_cpu_kernels
+def test_cpu_kernel_follows_the_tempered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(20_000, 5).contiguous()
+    for t in (0.5, 1.0, 2.0):
+        batch = SamplingBatch.build(_temperature_rows([t] * 20_000), logits.device)
+        assert sampler._cpu_kernel_takes(logits, batch)
+        tokens = sample(logits, batch).tokens
+        freq = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+        expected = torch.softmax(logits[0] / t, dim=-1)
+        torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+
+
+@needs_cpu_kernels
+def test_cpu_kernel_greedy_rows_logprobs_and_reproducibility() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 49_152, generator=g) * 4
+    logits[5, 7] = logits[5, 9] = logits[5].max() + 1  # a tie: the first maximum, as argmax
+    temps = [0.0, 1.0, 0.7, 1.3, 0.0, 0.0, 1.0, 0.2]
+    draws = [
+        sample(logits, SamplingBatch.build(_temperature_rows(temps), logits.device, generator=gen))
+        for gen in (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))
+    ]
+    assert draws[0].tokens.tolist() == draws[1].tokens.tolist()  # same generator, same draws
+    tokens, logprobs = draws[0].tokens, draws[0].logprobs
+    for row in (0, 4, 5):
+        assert tokens[row] == logits[row].argmax()
+    for row, t in enumerate(temps):
+        expected = torch.log_softmax(logits[row] / (t or 1.0), dim=-1)[tokens[row]]
+        torch.testing.assert_close(logprobs[row], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode graphs need CUDA")

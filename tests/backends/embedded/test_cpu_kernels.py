@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from areal_sdk.backends.embedded import cpu_attention
+from areal_sdk.backends.embedded import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
-    not cpu_attention.available(), reason="the kernel could not be built here (no compiler)"
+    not cpu_kernels.available(), reason="the kernel could not be built here (no compiler)"
 )
 
 
@@ -41,7 +41,7 @@ def test_kernel_equals_attention_over_each_rows_prefix(
     slots = torch.tensor([3, 0, 5, 1, 2])  # rows read slots out of order
     lengths = torch.tensor([1, cache_len, 17, 2, 33])  # one position, the whole cache, between
     scale = dim**-0.5
-    got = cpu_attention.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
     expected = _reference(q, k_cache, v_cache, slots, lengths, scale)
     assert got.dtype == dtype and got.shape == (rows, heads, dim)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -53,7 +53,7 @@ def test_large_scores_do_not_overflow() -> None:
     v_cache = torch.arange(8.0).view(1, 1, 8, 1).expand(1, 1, 8, 64).contiguous()
     q = torch.full((1, 1, 64), 30.0)
     q[0, 0, 0] = 31.0  # every score ~57,600: exp() would overflow without the max
-    got = cpu_attention.decode_attention(
+    got = cpu_kernels.decode_attention(
         q, k_cache, v_cache, torch.tensor([0]), torch.tensor([8]), 1.0
     )
     assert torch.isfinite(got).all()
@@ -64,8 +64,8 @@ def test_bad_inputs_raise_naming_the_problem() -> None:
     k = torch.zeros(2, 1, 8, 64)
     q = torch.zeros(1, 2, 64)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_attention.decode_attention(q, k, k, torch.tensor([0]), torch.tensor([9]), 1.0)
+        cpu_kernels.decode_attention(q, k, k, torch.tensor([0]), torch.tensor([9]), 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_attention.decode_attention(q, k, k, torch.tensor([2]), torch.tensor([1]), 1.0)
+        cpu_kernels.decode_attention(q, k, k, torch.tensor([2]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_attention.decode_attention(q.double(), k, k, torch.tensor([0]), torch.tensor([1]), 1.0)
+        cpu_kernels.decode_attention(q.double(), k, k, torch.tensor([0]), torch.tensor([1]), 1.0)
