@@ -19,7 +19,9 @@ class ServerStartError(RuntimeError):
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: a free one), for uvicorn's ``sockets=``.
+    """A TCP socket bound to ``host:port`` (port 0: a free one) and listening, for uvicorn's
+    ``sockets=``. Listening at once means a client that learns the address before uvicorn
+    has started waits in the backlog instead of being refused.
 
     The protocol is named (``IPPROTO_TCP``, not 0) and ``TCP_NODELAY`` set: asyncio turns
     Nagle off only on connections whose socket says TCP, and with it on, each response's last
@@ -30,6 +32,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
     try:
         sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
         raise

@@ -1,8 +1,8 @@
 """The gateway's listening socket says TCP and turns Nagle off. Without that, asyncio left
 Nagle on for every connection, and each response's last small write waited for the client's
 delayed ACK: about 40 ms added to every call through the gateway's in-process server and
-``areal-sdk serve`` (``benchmarks/README.md``, Gateway). Also ``ServerThread``'s start and
-stop."""
+``areal-sdk serve`` (``benchmarks/README.md``, Gateway). The socket listens from the start,
+so an early client waits instead of being refused. Also ``ServerThread``'s start and stop."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def test_the_listening_socket_is_tcp_with_nodelay() -> None:
         assert sock.proto == socket.IPPROTO_TCP
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()
+
+
+def test_a_client_that_learns_the_address_before_the_server_starts_is_not_refused() -> None:
+    # `areal-sdk serve` prints its address after binding and before uvicorn starts; a client
+    # reading that line connects at once.
+    sock = bind_tcp("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=5):
+            pass
     finally:
         sock.close()
 
