@@ -1,4 +1,5 @@
-"""The engine's CPU kernels (``csrc/``): decode attention and temperature sampling.
+"""The engine's CPU kernels (``csrc/``): decode attention, temperature sampling and a fused
+residual add with RMSNorm.
 
 - ``decode_attention``: torch's CPU SDPA is built for long sequences; at a decode step's
   shape (one query per row, 16 rows, 3 KV heads, ~200 cached positions) it takes ~240 us a
@@ -6,6 +7,8 @@
   loops elsewhere).
 - ``sample_temperature``: inverse-CDF sampling with one uniform per row, instead of a
   Gumbel draw (a random number and two logarithms) for every vocabulary entry.
+- ``add_rms_norm``: the residual add and the RMSNorm after it in one pass instead of seven
+  torch kernels.
 
 They are compiled with torch's extension tools (``torch.utils.cpp_extension.load``) the
 first time an engine on CPU starts, ~15 s, and cached under torch's extension directory
@@ -24,14 +27,14 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "sample.cpp"]
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "sample.cpp", _CSRC / "layer_ops.cpp"]
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False where that fails."""
-    if hasattr(torch.ops.areal_cpu, "decode_attention"):
+    if hasattr(torch.ops.areal_cpu, "add_rms_norm"):
         return True
     try:
         from torch.utils.cpp_extension import load
@@ -47,7 +50,7 @@ def available() -> bool:
     except Exception as exc:  # no compiler, no headers: the torch paths still work
         log.warning("CPU kernels unavailable (%s); using SDPA and the torch sampler", exc)
         return False
-    return hasattr(torch.ops.areal_cpu, "decode_attention")
+    return hasattr(torch.ops.areal_cpu, "add_rms_norm")
 
 
 def usable(query: torch.Tensor) -> bool:
@@ -77,3 +80,11 @@ def sample_temperature(
     where ``T <= 0``; returns the tokens and their logprobs under log_softmax(logits / T)."""
     uniforms = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator)
     return torch.ops.areal_cpu.sample_temperature(logits, temperature, uniforms)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``hidden += delta`` in place (when given), then return ``hidden``'s RMSNorm times
+    ``weight``, rounded as transformers' ``LlamaRMSNorm`` rounds. ``hidden`` contiguous."""
+    return torch.ops.areal_cpu.add_rms_norm(hidden, delta, weight, float(eps))

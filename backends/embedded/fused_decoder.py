@@ -3,12 +3,13 @@
 On CPU a decode step is small (16 rows x 576 features for SmolLM2), so its cost is the
 number of operations and of Python calls, not their arithmetic. The transformers modules
 spend ~45 tensor operations per layer and several wrapper calls each (RMSNorm as seven ops,
-three projections where one would do, SiLU and product apart from the gate). This forward
-runs the same mathematics in ~25 operations per layer from the same parameters:
+three projections where one would do). This forward runs the same mathematics in ~20
+operations per layer from the same parameters:
 
 - query, key and value come from one product with the three weights stacked, gate and up
   from another (``FusedWeights``, rebuilt when a weight update writes a member);
-- RMSNorm is ``F.rms_norm`` (one kernel), rotary embedding is applied to queries and keys
+- the residual add and the RMSNorm after it are one kernel (``cpu_kernels.add_rms_norm``;
+  torch ops where it cannot be built), rotary embedding is applied to queries and keys
   together, with the cos/sin of the model's own rotary module (its scaling included);
 - attention is the engine's ``slot_attention`` over the slot KV cache, as on the HF path.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from areal_sdk.backends.embedded import cpu_kernels
 from areal_sdk.backends.embedded.kv_cache import StepContext, slot_attention
 from areal_sdk.backends.embedded.packed_linear import pack_weight, packed_linear
 
@@ -129,6 +131,11 @@ class FusedDecoder:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.layers = [self._layer(layer, packed) for layer in backbone.layers]
+        weight = backbone.norm.weight
+        kernel = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+        self._add_rms_norm = (
+            cpu_kernels.add_rms_norm if kernel and cpu_kernels.available() else _add_rms_norm
+        )
         # Which fused product each parameter feeds, by every name it goes by.
         by_param: dict[int, list[FusedWeights]] = {}
         for layer in self.layers:
@@ -178,8 +185,10 @@ class FusedDecoder:
         rows, tokens = ids.shape
         q_width = self.heads * self.head_dim
         qk_heads = self.heads + self.kv_heads
+        add_norm = self._add_rms_norm
+        delta = None  # the last sublayer's output, added to the residual by the next norm
         for layer in self.layers:
-            x = F.rms_norm(hidden, hidden.shape[-1:], layer.norm_in, layer.eps_in)
+            x = add_norm(hidden, delta, layer.norm_in, layer.eps_in)
             qkv = layer.qkv(x)
             qk = qkv[..., : qk_heads * self.head_dim].view(rows, tokens, qk_heads, self.head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
@@ -190,16 +199,28 @@ class FusedDecoder:
             out, _ = slot_attention(
                 layer.attn, query, key, value, None, scaling=layer.attn.scaling, areal_step=step
             )
-            hidden = hidden + layer.o_proj(out.reshape(rows, tokens, q_width))
-            x = F.rms_norm(hidden, hidden.shape[-1:], layer.norm_post, layer.eps_post)
+            attended = layer.o_proj(out.reshape(rows, tokens, q_width))
+            x = add_norm(hidden, attended, layer.norm_post, layer.eps_post)
             gate, up = layer.gate_up(x).split(layer.gate_up.splits, dim=-1)
-            hidden = hidden + layer.down_proj(F.silu(gate) * up)
-        return self.final_norm(hidden)
+            delta = layer.down_proj(F.silu(gate) * up)
+        return add_norm(hidden, delta, self.final_norm.weight, _eps(self.final_norm))
 
 
 def _eps(norm: torch.nn.Module) -> float:
     eps = getattr(norm, "variance_epsilon", None)
     return float(eps if eps is not None else getattr(norm, "eps", 1e-6))
+
+
+def _add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``cpu_kernels.add_rms_norm`` in torch: ``hidden += delta``, then transformers'
+    ``LlamaRMSNorm`` of it (float32 statistics, rounded before the weight)."""
+    if delta is not None:
+        hidden.add_(delta)
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(hidden.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

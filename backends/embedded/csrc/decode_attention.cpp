@@ -26,6 +26,8 @@
 namespace {
 
 using areal::exp_nonpositive;
+using areal::load;
+using areal::store;
 
 #if defined(__AVX512F__)
 // One (row, KV head) item with AVX-512: G query heads of dimension 16 * D16 held in
@@ -129,17 +131,17 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots,
       const int64_t len = lengths[r];
       const int64_t base = (slots[r] * kv_heads + h) * cache_len * dim;
       const T* q_row = q + (r * heads + h * groups) * dim;
-      for (int64_t i = 0; i < groups * dim; ++i) query[i] = static_cast<float>(q_row[i]) * scale;
+      for (int64_t i = 0; i < groups * dim; ++i) query[i] = load(q_row, i) * scale;
       scores.resize(groups * len);
       if (fast != nullptr) {
         fast(query.data(), k + base, v + base, len, scores.data(), acc.data());
         T* o_row = out + (r * heads + h * groups) * dim;
-        for (int64_t i = 0; i < groups * dim; ++i) o_row[i] = static_cast<T>(acc[i]);
+        for (int64_t i = 0; i < groups * dim; ++i) store(o_row, i, acc[i]);
         continue;
       }
       for (int64_t t = 0; t < len; ++t) {
         const T* key = k + base + t * dim;
-        for (int64_t d = 0; d < dim; ++d) line[d] = static_cast<float>(key[d]);
+        for (int64_t d = 0; d < dim; ++d) line[d] = load(key, d);
         for (int64_t g = 0; g < groups; ++g) {
           const float* qg = query.data() + g * dim;
           float s = 0.f;
@@ -162,7 +164,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots,
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const T* value = v + base + t * dim;
-        for (int64_t d = 0; d < dim; ++d) line[d] = static_cast<float>(value[d]);
+        for (int64_t d = 0; d < dim; ++d) line[d] = load(value, d);
         for (int64_t g = 0; g < groups; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * dim;
@@ -173,7 +175,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots,
       T* o_row = out + (r * heads + h * groups) * dim;
       for (int64_t g = 0; g < groups; ++g) {
         const float inv = 1.f / total[g];
-        for (int64_t d = 0; d < dim; ++d) o_row[g * dim + d] = static_cast<T>(acc[g * dim + d] * inv);
+        for (int64_t d = 0; d < dim; ++d) store(o_row, g * dim + d, acc[g * dim + d] * inv);
       }
     }
   });

@@ -69,3 +69,24 @@ def test_bad_inputs_raise_naming_the_problem() -> None:
         cpu_kernels.decode_attention(q, k, k, torch.tensor([2]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_kernels.decode_attention(q.double(), k, k, torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_and_normalises_as_transformers(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(3, 5, 96, generator=g) * 3).to(dtype)
+    delta = torch.randn(3, 5, 96, generator=g).to(dtype)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    expected_sum = hidden + delta
+    with torch.inference_mode():
+        expected = norm(expected_sum)
+    got = cpu_kernels.add_rms_norm(hidden, delta, norm.weight.detach(), 1e-5)
+    assert torch.equal(hidden, expected_sum)  # the residual stream, updated in place
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: at most one unit in the last place
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    alone = cpu_kernels.add_rms_norm(expected_sum.clone(), None, norm.weight.detach(), 1e-5)
+    torch.testing.assert_close(alone, got)
