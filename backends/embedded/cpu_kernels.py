@@ -1,5 +1,5 @@
-"""The engine's CPU kernels (``csrc/``): decode attention, temperature sampling and a fused
-residual add with RMSNorm.
+"""The engine's CPU kernels (``csrc/``): decode attention, temperature sampling and the
+fused elementwise steps of a Llama-family layer.
 
 - ``decode_attention``: torch's CPU SDPA is built for long sequences; at a decode step's
   shape (one query per row, 16 rows, 3 KV heads, ~200 cached positions) it takes ~240 us a
@@ -8,7 +8,7 @@ residual add with RMSNorm.
 - ``sample_temperature``: inverse-CDF sampling with one uniform per row, instead of a
   Gumbel draw (a random number and two logarithms) for every vocabulary entry.
 - ``add_rms_norm``: the residual add and the RMSNorm after it in one pass instead of seven
-  torch kernels.
+  torch kernels; ``silu_mul``: SiLU and the product with the up projection in one.
 
 They are compiled with torch's extension tools (``torch.utils.cpp_extension.load``) the
 first time an engine on CPU starts, ~15 s, and cached under torch's extension directory
@@ -34,7 +34,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False where that fails."""
-    if hasattr(torch.ops.areal_cpu, "add_rms_norm"):
+    if hasattr(torch.ops.areal_cpu, "silu_mul"):
         return True
     try:
         from torch.utils.cpp_extension import load
@@ -50,7 +50,7 @@ def available() -> bool:
     except Exception as exc:  # no compiler, no headers: the torch paths still work
         log.warning("CPU kernels unavailable (%s); using SDPA and the torch sampler", exc)
         return False
-    return hasattr(torch.ops.areal_cpu, "add_rms_norm")
+    return hasattr(torch.ops.areal_cpu, "silu_mul")
 
 
 def usable(query: torch.Tensor) -> bool:
@@ -88,3 +88,9 @@ def add_rms_norm(
     """``hidden += delta`` in place (when given), then return ``hidden``'s RMSNorm times
     ``weight``, rounded as transformers' ``LlamaRMSNorm`` rounds. ``hidden`` contiguous."""
     return torch.ops.areal_cpu.add_rms_norm(hidden, delta, weight, float(eps))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = cat([gate, up], -1)``, the activation rounded to
+    the input's dtype before the product as in transformers' MLP."""
+    return torch.ops.areal_cpu.silu_mul(gate_up)

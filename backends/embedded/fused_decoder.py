@@ -8,8 +8,8 @@ operations per layer from the same parameters:
 
 - query, key and value come from one product with the three weights stacked, gate and up
   from another (``FusedWeights``, rebuilt when a weight update writes a member);
-- the residual add and the RMSNorm after it are one kernel (``cpu_kernels.add_rms_norm``;
-  torch ops where it cannot be built), rotary embedding is applied to queries and keys
+- the residual add and the RMSNorm after it are one kernel, SiLU and the product after it
+  another (``cpu_kernels``; torch ops where they cannot be built), rotary embedding is applied to queries and keys
   together, with the cos/sin of the model's own rotary module (its scaling included);
 - attention is the engine's ``slot_attention`` over the slot KV cache, as on the HF path.
 
@@ -74,7 +74,6 @@ class FusedWeights:
     def __init__(self, linears: list[torch.nn.Linear], packed: bool) -> None:
         self.linears = linears
         self.packed = packed
-        self.splits = [m.out_features for m in linears]
         self.weight: torch.Tensor
         self.bias: torch.Tensor | None
         self.rebuild()
@@ -133,9 +132,9 @@ class FusedDecoder:
         self.layers = [self._layer(layer, packed) for layer in backbone.layers]
         weight = backbone.norm.weight
         kernel = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-        self._add_rms_norm = (
-            cpu_kernels.add_rms_norm if kernel and cpu_kernels.available() else _add_rms_norm
-        )
+        kernel = kernel and cpu_kernels.available()
+        self._add_rms_norm = cpu_kernels.add_rms_norm if kernel else _add_rms_norm
+        self._silu_mul = cpu_kernels.silu_mul if kernel else _silu_mul
         # Which fused product each parameter feeds, by every name it goes by.
         by_param: dict[int, list[FusedWeights]] = {}
         for layer in self.layers:
@@ -201,8 +200,7 @@ class FusedDecoder:
             )
             attended = layer.o_proj(out.reshape(rows, tokens, q_width))
             x = add_norm(hidden, attended, layer.norm_post, layer.eps_post)
-            gate, up = layer.gate_up(x).split(layer.gate_up.splits, dim=-1)
-            delta = layer.down_proj(F.silu(gate) * up)
+            delta = layer.down_proj(self._silu_mul(layer.gate_up(x)))
         return add_norm(hidden, delta, self.final_norm.weight, _eps(self.final_norm))
 
 
@@ -221,6 +219,12 @@ def _add_rms_norm(
     x = hidden.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(hidden.dtype)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``cpu_kernels.silu_mul`` in torch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

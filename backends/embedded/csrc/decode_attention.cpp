@@ -32,11 +32,7 @@ using areal::store;
 #if defined(__AVX512F__)
 // One (row, KV head) item with AVX-512: G query heads of dimension 16 * D16 held in
 // registers, each key and value row loaded once for all G heads.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using areal::load16;
 
 template <typename T, int G, int D16>
 void attend_item_avx512(const float* query, const T* keys, const T* values, int64_t len,

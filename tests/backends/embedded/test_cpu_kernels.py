@@ -90,3 +90,18 @@ def test_add_rms_norm_adds_in_place_and_normalises_as_transformers(dtype: torch.
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
     alone = cpu_kernels.add_rms_norm(expected_sum.clone(), None, norm.weight.detach(), 1e-5)
     torch.testing.assert_close(alone, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 37])  # whole vector lanes, and a remainder
+def test_silu_mul_equals_the_mlp_activation(dtype: torch.dtype, width: int) -> None:
+    g = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(4, 3, 2 * width, generator=g) * 6).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu_kernels.silu_mul(gate_up)
+    assert got.shape == (4, 3, width) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)  # rounded where transformers rounds
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
