@@ -8,7 +8,8 @@ fused elementwise steps of a Llama-family layer.
 - ``sample_temperature``: inverse-CDF sampling with one uniform per row, instead of a
   Gumbel draw (a random number and two logarithms) for every vocabulary entry.
 - ``add_rms_norm``: the residual add and the RMSNorm after it in one pass instead of seven
-  torch kernels; ``silu_mul``: SiLU and the product with the up projection in one.
+  torch kernels; ``silu_mul``: SiLU and the product with the up projection in one;
+  ``rope_write``: rotary embedding of queries and keys and the KV-cache write in one.
 
 They are compiled with torch's extension tools (``torch.utils.cpp_extension.load``) the
 first time an engine on CPU starts, ~15 s, and cached under torch's extension directory
@@ -34,7 +35,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False where that fails."""
-    if hasattr(torch.ops.areal_cpu, "silu_mul"):
+    if hasattr(torch.ops.areal_cpu, "rope_write"):
         return True
     try:
         from torch.utils.cpp_extension import load
@@ -50,7 +51,7 @@ def available() -> bool:
     except Exception as exc:  # no compiler, no headers: the torch paths still work
         log.warning("CPU kernels unavailable (%s); using SDPA and the torch sampler", exc)
         return False
-    return hasattr(torch.ops.areal_cpu, "silu_mul")
+    return hasattr(torch.ops.areal_cpu, "rope_write")
 
 
 def usable(query: torch.Tensor) -> bool:
@@ -94,3 +95,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = cat([gate, up], -1)``, the activation rounded to
     the input's dtype before the product as in transformers' MLP."""
     return torch.ops.areal_cpu.silu_mul(gate_up)
+
+
+def rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rotary embedding and the KV-cache write of one layer: ``qkv [rows, tokens, (heads + 2
+    kv_heads) * dim]`` (queries, keys, values), ``cos``/``sin [rows, tokens, dim]``; each
+    token's rotated key and its value go to ``(slots, :, positions)`` of the caches. Returns
+    the rotated queries ``[rows, tokens, heads, dim]``, rounded as transformers rounds."""
+    return torch.ops.areal_cpu.rope_write(qkv, cos, sin, k_cache, v_cache, slots, positions, heads)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from areal_sdk.backends.embedded import cpu_kernels
-from areal_sdk.backends.embedded.kv_cache import StepContext, slot_attention
+from areal_sdk.backends.embedded.kv_cache import StepContext, attend_cached, slot_attention
 from areal_sdk.backends.embedded.packed_linear import pack_weight, packed_linear
 
 MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
@@ -135,6 +135,7 @@ class FusedDecoder:
         kernel = kernel and cpu_kernels.available()
         self._add_rms_norm = cpu_kernels.add_rms_norm if kernel else _add_rms_norm
         self._silu_mul = cpu_kernels.silu_mul if kernel else _silu_mul
+        self._rope_write = kernel
         # Which fused product each parameter feeds, by every name it goes by.
         by_param: dict[int, list[FusedWeights]] = {}
         for layer in self.layers:
@@ -175,29 +176,65 @@ class FusedDecoder:
         for fused in stale.values():
             fused.rebuild()
 
+    def _attend_kernel(
+        self,
+        attn: torch.nn.Module,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepContext,
+    ) -> torch.Tensor:
+        """Rotary embedding and the cache write in one kernel, then attention."""
+        index = attn.layer_idx
+        query = cpu_kernels.rope_write(
+            qkv,
+            cos,
+            sin,
+            step.cache.keys[index],
+            step.cache.values[index],
+            step.slot_index,
+            step.write_pos,
+            self.heads,
+        )
+        out, _ = attend_cached(step, index, query.transpose(1, 2), attn.scaling)
+        return out
+
+    def _attend_torch(
+        self,
+        attn: torch.nn.Module,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepContext,
+    ) -> torch.Tensor:
+        rows, tokens, _ = qkv.shape
+        dim, qk_heads = self.head_dim, self.heads + self.kv_heads
+        qk = qkv[..., : qk_heads * dim].view(rows, tokens, qk_heads, dim)
+        # cos/sin [rows, tokens, 1, dim] broadcast over the query and key heads together.
+        qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
+        query = qk[:, :, : self.heads].transpose(1, 2)
+        key = qk[:, :, self.heads :].transpose(1, 2)
+        value = qkv[..., qk_heads * dim :].view(rows, tokens, self.kv_heads, dim).transpose(1, 2)
+        out, _ = slot_attention(
+            attn, query, key, value, None, scaling=attn.scaling, areal_step=step
+        )
+        return out
+
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
         """``[rows, tokens, hidden]`` final hidden states for ``ids`` at positions ``pos``."""
         hidden = self.embed(ids)
-        cos, sin = self.rotary(hidden, position_ids=pos)
-        # [rows, tokens, 1, head_dim]: broadcast over the query and key heads together.
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        cos, sin = self.rotary(hidden, position_ids=pos)  # [rows, tokens, head_dim]
         rows, tokens = ids.shape
         q_width = self.heads * self.head_dim
-        qk_heads = self.heads + self.kv_heads
         add_norm = self._add_rms_norm
         delta = None  # the last sublayer's output, added to the residual by the next norm
         for layer in self.layers:
             x = add_norm(hidden, delta, layer.norm_in, layer.eps_in)
             qkv = layer.qkv(x)
-            qk = qkv[..., : qk_heads * self.head_dim].view(rows, tokens, qk_heads, self.head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin
-            query = qk[:, :, : self.heads].transpose(1, 2)
-            key = qk[:, :, self.heads :].transpose(1, 2)
-            value = qkv[..., q_width + self.kv_heads * self.head_dim :]
-            value = value.view(rows, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-            out, _ = slot_attention(
-                layer.attn, query, key, value, None, scaling=layer.attn.scaling, areal_step=step
-            )
+            if self._rope_write:
+                out = self._attend_kernel(layer.attn, qkv, cos, sin, step)
+            else:
+                out = self._attend_torch(layer.attn, qkv, cos, sin, step)
             attended = layer.o_proj(out.reshape(rows, tokens, q_width))
             x = add_norm(hidden, attended, layer.norm_post, layer.eps_post)
             delta = layer.down_proj(self._silu_mul(layer.gate_up(x)))

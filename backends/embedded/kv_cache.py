@@ -134,6 +134,17 @@ def slot_attention(
     # tensors around a slice yields [rows, tokens, kv_heads, head_dim].
     k_cache[step.slot_index, :, step.write_pos] = key.transpose(1, 2).to(k_cache.dtype)
     v_cache[step.slot_index, :, step.write_pos] = value.transpose(1, 2).to(v_cache.dtype)
+    return attend_cached(step, layer, query, scaling)
+
+
+def attend_cached(
+    step: StepContext, layer: int, query: torch.Tensor, scaling: float | None
+) -> tuple[torch.Tensor, None]:
+    """``slot_attention`` after the step's keys and values are in layer ``layer``'s cache:
+    ``query [rows, heads, tokens, head_dim]`` over each row's slot prefix; returns
+    ``[rows, tokens, heads, head_dim]``."""
+    k_cache = step.cache.keys[layer]
+    v_cache = step.cache.values[layer]
     if step.packed is not None:
         keys = k_cache[step.packed.key_slots, :, step.packed.key_pos]  # [K, kv_heads, dim]
         values = v_cache[step.packed.key_slots, :, step.packed.key_pos]

@@ -105,3 +105,39 @@ def test_silu_mul_equals_the_mlp_activation(dtype: torch.dtype, width: int) -> N
         assert torch.equal(got, expected)  # rounded where transformers rounds
     else:
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_rotates_as_transformers_and_fills_the_cache(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv_heads, dim, rows, tokens = 6, 2, 64, 2, 3
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(rows, tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(rows, tokens, dim // 2, generator=g) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    k_cache = torch.zeros(4, kv_heads, 10, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([[2, 2, 2], [0, 0, 0]])
+    positions = torch.tensor([[5, 6, 7], [0, 1, 9]])
+    query = cpu_kernels.rope_write(qkv, cos, sin, k_cache, v_cache, slots, positions, heads)
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q = q.view(rows, tokens, heads, dim).transpose(1, 2)
+    k = k.view(rows, tokens, kv_heads, dim).transpose(1, 2)
+    q_expected, k_expected = apply_rotary_pos_emb(q, k, cos, sin)
+    # bf16: bit for bit (each product rounded where torch rounds); float32: fused multiply-adds
+    # may differ in the last bit.
+    same = torch.equal if dtype == torch.bfloat16 else _close
+    assert same(query, q_expected.transpose(1, 2))
+    for r in range(rows):
+        for t in range(tokens):
+            slot, pos = int(slots[r, t]), int(positions[r, t])
+            assert same(k_cache[slot, :, pos], k_expected[r, :, t])
+            assert torch.equal(v_cache[slot, :, pos], v.view(rows, tokens, kv_heads, dim)[r, t])
+    assert int((k_cache != 0).any(-1).sum()) == rows * tokens * kv_heads  # nothing else written
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-6, atol=1e-6)
