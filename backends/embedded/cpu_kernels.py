@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         load(
-            name="areal_cpu_kernels",
+            name=_build_name(),
             sources=[str(s) for s in _SOURCES],
             # OpenMP for torch's parallel_for; the extension then binds torch's own libgomp.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -52,6 +53,13 @@ def available() -> bool:
         log.warning("CPU kernels unavailable (%s); using SDPA and the torch sampler", exc)
         return False
     return hasattr(torch.ops.areal_cpu, "rope_write")
+
+
+def _build_name() -> str:
+    """The extension's name, which is also its cache directory: built with -march=native, a
+    build must not be loaded on another kind of CPU sharing the same home directory."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return f"areal_cpu_kernels_{platform.machine().lower()}_{capability}"
 
 
 def usable(query: torch.Tensor) -> bool:
