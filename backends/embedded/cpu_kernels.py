@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "sample.cpp", _CSRC / "layer_ops.cpp"]
 _DTYPES = (torch.float32, torch.bfloat16)
+# The instruction set each of torch's CPU capabilities guarantees (not -march=native: the
+# build is cached by capability, and two machines of one capability may differ beyond it).
+_ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
 
 
 @functools.cache
@@ -45,7 +51,7 @@ def available() -> bool:
             name=_build_name(),
             sources=[str(s) for s in _SOURCES],
             # OpenMP for torch's parallel_for; the extension then binds torch's own libgomp.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(_capability(), [])],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -55,11 +61,15 @@ def available() -> bool:
     return hasattr(torch.ops.areal_cpu, "rope_write")
 
 
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
 def _build_name() -> str:
-    """The extension's name, which is also its cache directory: built with -march=native, a
-    build must not be loaded on another kind of CPU sharing the same home directory."""
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    return f"areal_cpu_kernels_{platform.machine().lower()}_{capability}"
+    """The extension's name, which is also its cache directory: one build per instruction
+    set, so a home directory shared by different machines never hands a CPU code it cannot
+    run."""
+    return f"areal_cpu_kernels_{platform.machine().lower()}_{_capability()}"
 
 
 def usable(query: torch.Tensor) -> bool:
