@@ -47,6 +47,7 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
+        log.info("loading the engine's CPU kernels (built once per machine, ~20 s the first time)")
         load(
             name=_build_name(),
             sources=[str(s) for s in _SOURCES],
