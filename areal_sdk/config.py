@@ -110,7 +110,11 @@ class InferenceConfig(Section):
     tool_parser: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     max_new_tokens: int = Field(512, ge=1)
-    prefill_chunk: int = Field(2048, ge=1, description="embedded engine: prompt tokens per step")
+    prefill_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="embedded engine: prompt tokens per step (default 2048 on CPU, 512 on CUDA)",
+    )
     cuda_graphs: bool | None = Field(None, description="embedded engine: decode CUDA graphs")
     recompute_kv_on_update: bool = Field(
         True,

@@ -33,7 +33,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=4096, help="context per request, in tokens"
     )
-    parser.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens fed per step")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens fed per step (default 2048 on CPU, 512 on CUDA)",
+    )
     parser.add_argument(
         "--served-model-name", default=None, help="the name /get_model_info reports"
     )
@@ -45,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
         return fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    if args.max_batch_size < 1 or args.max_model_len < 16 or args.prefill_chunk < 1:
+    chunk_ok = args.prefill_chunk is None or args.prefill_chunk >= 1
+    if args.max_batch_size < 1 or args.max_model_len < 16 or not chunk_ok:
         return fail("--max-batch-size and --prefill-chunk must be >= 1, --max-model-len >= 16")
     if args.device.startswith("cuda"):
         import torch

@@ -75,7 +75,9 @@ class EngineConfig:
 
     max_batch_size: int = 32
     max_model_len: int = 4096
-    prefill_chunk: int = 2048
+    # None: 2048 on CPU (a 16 x 128-token prompt batch in one compute-bound step), 512 on
+    # CUDA (long prefill steps run outside the decode graphs and hold decoding rows back).
+    prefill_chunk: int | None = None
     cuda_graphs: bool | None = None  # None: on for CUDA
     packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
     packed_weights: bool | None = None  # None: on for CPU (packed_linear.py)
@@ -132,6 +134,9 @@ class EmbeddedEngine(InferenceBackend):
             packed_prefill=self.config.packed_prefill,
             packed_weights=self.config.packed_weights,
             fused_decoder=self.config.fused_decoder,
+        )
+        self.prefill_chunk = self.config.prefill_chunk or (
+            2048 if self.runner.device.type == "cpu" else 512
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -553,7 +558,7 @@ class EmbeddedEngine(InferenceBackend):
             request.slot = heapq.heappop(self._free_slots)
             self._active.append(request)
         version = self._version
-        budget = self.config.prefill_chunk
+        budget = self.prefill_chunk
         prefill: list[tuple[Request, RowInput, bool]] = []
         decode: list[Request] = []
         for request in self._active:
