@@ -12,6 +12,10 @@ boundaries of the queries and of the keys (each sequence's cached prefix, then i
 tokens) for the flash varlen kernel. Padded rows pay for the longest row and a dense mask
 over the whole prefix; a packed step pays for its tokens only (``PackedRows``).
 
+On CPU a decode step's rows attend through ``cpu_kernels.decode_attention`` (each row over
+its own slot's first ``lengths[r]`` positions, no mask), and the fused decoder writes keys
+and values itself (``cpu_kernels.rope_write``) before calling ``attend_cached``.
+
 The attention function is registered with transformers' ``AttentionInterface`` under
 ``areal_slots``; the model's own modules (projections, RoPE, MLP) run unchanged, and the
 step's context reaches every layer as the ``areal_step`` keyword argument. Without that
