@@ -176,7 +176,7 @@ class FusedDecoder:
         for fused in stale.values():
             fused.rebuild()
 
-    def _attend_kernel(
+    def _attend(
         self,
         attn: torch.nn.Module,
         qkv: torch.Tensor,
@@ -184,29 +184,21 @@ class FusedDecoder:
         sin: torch.Tensor,
         step: StepContext,
     ) -> torch.Tensor:
-        """Rotary embedding and the cache write in one kernel, then attention."""
+        """Rotary embedding, the cache write and attention for one layer's ``qkv``; returns
+        ``[rows, tokens, heads, head_dim]``."""
         index = attn.layer_idx
-        query = cpu_kernels.rope_write(
-            qkv,
-            cos,
-            sin,
-            step.cache.keys[index],
-            step.cache.values[index],
-            step.slot_index,
-            step.write_pos,
-            self.heads,
-        )
-        out, _ = attend_cached(step, index, query.transpose(1, 2), attn.scaling)
-        return out
-
-    def _attend_torch(
-        self,
-        attn: torch.nn.Module,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        step: StepContext,
-    ) -> torch.Tensor:
+        if self._rope_write:  # rotary and the cache write in one kernel
+            query = cpu_kernels.rope_write(
+                qkv,
+                cos,
+                sin,
+                step.cache.keys[index],
+                step.cache.values[index],
+                step.slot_index,
+                step.write_pos,
+                self.heads,
+            )
+            return attend_cached(step, index, query.transpose(1, 2), attn.scaling)[0]
         rows, tokens, _ = qkv.shape
         dim, qk_heads = self.head_dim, self.heads + self.kv_heads
         qk = qkv[..., : qk_heads * dim].view(rows, tokens, qk_heads, dim)
@@ -215,10 +207,9 @@ class FusedDecoder:
         query = qk[:, :, : self.heads].transpose(1, 2)
         key = qk[:, :, self.heads :].transpose(1, 2)
         value = qkv[..., qk_heads * dim :].view(rows, tokens, self.kv_heads, dim).transpose(1, 2)
-        out, _ = slot_attention(
-            attn, query, key, value, None, scaling=attn.scaling, areal_step=step
-        )
-        return out
+        return slot_attention(attn, query, key, value, None, scaling=attn.scaling, areal_step=step)[
+            0
+        ]
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
         """``[rows, tokens, hidden]`` final hidden states for ``ids`` at positions ``pos``."""
@@ -231,10 +222,7 @@ class FusedDecoder:
         for layer in self.layers:
             x = add_norm(hidden, delta, layer.norm_in, layer.eps_in)
             qkv = layer.qkv(x)
-            if self._rope_write:
-                out = self._attend_kernel(layer.attn, qkv, cos, sin, step)
-            else:
-                out = self._attend_torch(layer.attn, qkv, cos, sin, step)
+            out = self._attend(layer.attn, qkv, cos, sin, step)
             attended = layer.o_proj(out.reshape(rows, tokens, q_width))
             x = add_norm(hidden, attended, layer.norm_post, layer.eps_post)
             delta = layer.down_proj(self._silu_mul(layer.gate_up(x)))
