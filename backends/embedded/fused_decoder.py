@@ -9,9 +9,9 @@ operations per layer from the same parameters:
 - query, key and value come from one product with the three weights stacked, gate and up
   from another (``FusedWeights``, rebuilt when a weight update writes a member);
 - the residual add and the RMSNorm after it are one kernel, SiLU and the product after it
-  another (``cpu_kernels``; torch ops where they cannot be built), rotary embedding is applied to queries and keys
-  together, with the cos/sin of the model's own rotary module (its scaling included);
-- attention is the engine's ``slot_attention`` over the slot KV cache, as on the HF path.
+  another, rotary embedding and the KV-cache write a third (``cpu_kernels``; torch ops
+  where they cannot be built), with the cos/sin of the model's own rotary module;
+- attention reads the engine's slot KV cache, as on the HF path.
 
 It only takes models whose layers have exactly that structure (``supports``); any other
 model runs its transformers modules. Outputs equal the HF forward's to float rounding
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from areal_sdk.backends.embedded import cpu_kernels
 from areal_sdk.backends.embedded.kv_cache import StepContext, attend_cached, slot_attention
-from areal_sdk.backends.embedded.packed_linear import pack_weight, packed_linear
+from areal_sdk.backends.embedded.packed_linear import CopiesByName, pack_weight, packed_linear
 
 MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -101,7 +101,6 @@ class FusedWeights:
 
 @dataclass
 class _Layer:
-    module: torch.nn.Module
     attn: torch.nn.Module
     qkv: FusedWeights
     gate_up: FusedWeights
@@ -125,7 +124,8 @@ class FusedDecoder:
         cfg = model.config
         self.embed = backbone.embed_tokens
         self.rotary = backbone.rotary_emb
-        self.final_norm = backbone.norm
+        self.final_norm = backbone.norm.weight
+        self.final_eps = _eps(backbone.norm)
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
@@ -136,24 +136,18 @@ class FusedDecoder:
         self._add_rms_norm = cpu_kernels.add_rms_norm if kernel else _add_rms_norm
         self._silu_mul = cpu_kernels.silu_mul if kernel else _silu_mul
         self._rope_write = kernel
-        # Which fused product each parameter feeds, by every name it goes by.
-        by_param: dict[int, list[FusedWeights]] = {}
-        for layer in self.layers:
-            for fused in (layer.qkv, layer.gate_up):
-                for m in fused.linears:
-                    for p in m.parameters():
-                        by_param.setdefault(id(p), []).append(fused)
-        self._by_name = {
-            name: by_param[id(p)]
-            for name, p in model.named_parameters(remove_duplicate=False)
-            if id(p) in by_param
-        }
+        self._fused = [f for layer in self.layers for f in (layer.qkv, layer.gate_up)]
+        self._by_name = CopiesByName(
+            model,
+            lambda p: [
+                f for f in self._fused if any(q is p for m in f.linears for q in m.parameters())
+            ],
+        )
 
     @staticmethod
     def _layer(layer: torch.nn.Module, packed: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         return _Layer(
-            module=layer,
             attn=attn,
             qkv=FusedWeights([attn.q_proj, attn.k_proj, attn.v_proj], packed),
             gate_up=FusedWeights([mlp.gate_proj, mlp.up_proj], packed),
@@ -168,12 +162,11 @@ class FusedDecoder:
     @property
     def fused_linears(self) -> list[torch.nn.Linear]:
         """The linear layers whose products run fused here (no packed copy needed)."""
-        return [m for layer in self.layers for f in (layer.qkv, layer.gate_up) for m in f.linears]
+        return [m for f in self._fused for m in f.linears]
 
     def weights_changed(self, names: Iterable[str]) -> None:
         """Rebuild the fused products that parameters ``names`` belong to."""
-        stale = {id(f): f for n in names for f in self._by_name.get(n, ())}
-        for fused in stale.values():
+        for fused in self._by_name.stale(names):
             fused.rebuild()
 
     def _attend(
@@ -207,9 +200,10 @@ class FusedDecoder:
         query = qk[:, :, : self.heads].transpose(1, 2)
         key = qk[:, :, self.heads :].transpose(1, 2)
         value = qkv[..., qk_heads * dim :].view(rows, tokens, self.kv_heads, dim).transpose(1, 2)
-        return slot_attention(attn, query, key, value, None, scaling=attn.scaling, areal_step=step)[
-            0
-        ]
+        out, _ = slot_attention(
+            attn, query, key, value, None, scaling=attn.scaling, areal_step=step
+        )
+        return out
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext) -> torch.Tensor:
         """``[rows, tokens, hidden]`` final hidden states for ``ids`` at positions ``pos``."""
@@ -226,7 +220,7 @@ class FusedDecoder:
             attended = layer.o_proj(out.reshape(rows, tokens, q_width))
             x = add_norm(hidden, attended, layer.norm_post, layer.eps_post)
             delta = layer.down_proj(self._silu_mul(layer.gate_up(x)))
-        return add_norm(hidden, delta, self.final_norm.weight, _eps(self.final_norm))
+        return add_norm(hidden, delta, self.final_norm, self.final_eps)
 
 
 def _eps(norm: torch.nn.Module) -> float:

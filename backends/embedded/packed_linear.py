@@ -20,12 +20,14 @@ model may be the caller's).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 _DTYPES = (torch.float32, torch.bfloat16)
+T = TypeVar("T")
 
 
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -38,6 +40,23 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     # bf16 only where the CPU multiplies it natively (AVX512-BF16, AMX): the packed path was
     # measured there, and elsewhere training already falls back to float32 for the same reason.
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+
+
+class CopiesByName(Generic[T]):
+    """What was derived from each of a model's parameters (packed or stacked copies), by every
+    name the parameter goes by: tied names included (``lm_head.weight`` is
+    ``model.embed_tokens.weight`` in a tied model, and a weight source may write either)."""
+
+    def __init__(
+        self, model: torch.nn.Module, copies_of: Callable[[torch.nn.Parameter], list[T]]
+    ) -> None:
+        self._by_name = {
+            name: copies_of(param) for name, param in model.named_parameters(remove_duplicate=False)
+        }
+
+    def stale(self, names: Iterable[str]) -> list[T]:
+        """The copies that parameters ``names`` feed, each once."""
+        return list({id(c): c for n in names for c in self._by_name.get(n, ())}.values())
 
 
 class PackedLinears:
@@ -55,12 +74,7 @@ class PackedLinears:
             and m.weight.device.type == "cpu"
             and m.weight.dtype in _DTYPES
         ]
-        # Every name a layer's weight goes by, tied names included (lm_head.weight is
-        # model.embed_tokens.weight in a tied model, and a source may write either).
-        self._by_name = {
-            name: [m for m in self.linears if m.weight is param]
-            for name, param in model.named_parameters(remove_duplicate=False)
-        }
+        self._by_name = CopiesByName(model, lambda p: [m for m in self.linears if m.weight is p])
         self.repack()
         for linear in self.linears:
             linear.forward = functools.partial(_forward, linear)  # type: ignore[method-assign]
@@ -69,11 +83,7 @@ class PackedLinears:
     def repack(self, names: Iterable[str] | None = None) -> None:
         """Rebuild the packed copies of the layers whose weights ``names`` are (the
         model's own parameter names, as ``load_into`` returns them); all without names."""
-        if names is None:
-            stale = self.linears
-        else:
-            stale = list({id(m): m for n in names for m in self._by_name.get(n, ())}.values())
-        for m in stale:
+        for m in self.linears if names is None else self._by_name.stale(names):
             # Kept on the module, where its forward reads it.
             m._areal_packed = pack_weight(m.weight.detach())
 
