@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import math
 import statistics
 import time
@@ -20,12 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from areal_sdk.tracing import EpisodeContext, RolloutScope, rollout_scope
+from areal_sdk.tracing import (
+    NO_MODEL_CALL,
+    EpisodeContext,
+    RolloutScope,
+    reward_error,
+    rollout_scope,
+)
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 if TYPE_CHECKING:
     from areal_sdk.config import Config
     from areal_sdk.plugin_host import PluginHost
+
+log = logging.getLogger(__name__)
 
 
 class SessionClient(Protocol):
@@ -118,11 +127,17 @@ class RolloutSummary:
     def tokens(self) -> int:
         return sum(e.num_tokens for e in self.episodes)
 
+    @property
+    def no_model_call(self) -> list[Episode]:
+        """Episodes that failed because the gateway saw no model call of their agent."""
+        return [e for e in self.episodes if e.error == NO_MODEL_CALL]
+
     def as_dict(self) -> dict[str, float]:
         return {
             "episodes": float(len(self.episodes)),
             "episodes_ok": float(len(self.ok)),
             "episodes_failed": float(len(self.failed)),
+            "episodes_no_model_call": float(len(self.no_model_call)),
             "reward_mean": self.mean_reward,
             "reward_std": self.reward_std,
             "reward_sem": self.reward_sem,
@@ -169,6 +184,7 @@ class RolloutController:
         # only cpu_count + 4 workers, which would cap concurrency far below the setting.
         self._pool: ThreadPoolExecutor | None = None
         self._concurrency = concurrency
+        self.no_model_call = 0  # episodes failed for want of a captured model call
 
     @classmethod
     def from_config(
@@ -262,11 +278,18 @@ class RolloutController:
             result, error = await self._call_agent(task, ctx)
             self._finalize(ctx, task, result, error)
             stored = await self.sessions.end(ctx)
+        if stored.error == NO_MODEL_CALL:
+            self._count_no_model_call(stored)
         if self.on_episode is not None:
             maybe = self.on_episode(stored)
             if asyncio.iscoroutine(maybe):
                 await maybe
         return stored
+
+    def _count_no_model_call(self, episode: Episode) -> None:
+        self.no_model_call += 1
+        if self.no_model_call == 1:  # once per controller: the reason is the same every time
+            log.warning("episode %s failed: %s", episode.id, NO_MODEL_CALL)
 
     async def _call_agent(
         self, task: dict[str, Any], ctx: EpisodeContext
@@ -301,7 +324,24 @@ class RolloutController:
             return
         if ep.status != EpisodeStatus.OK:
             return
-        if isinstance(result, str) and self.reward_fn is not None and ep.reward is None:
-            ep.reward = float(self.reward_fn(result, task))
-        if ep.reward is None and ctx.explicit_reward is None:
-            ep.metadata.setdefault("note", "agent returned no reward")
+        if ep.reward is not None or result is None or isinstance(result, int | float):
+            if ep.reward is None:
+                ep.metadata.setdefault("note", "agent returned no reward")
+            return
+        if isinstance(result, str) and self.reward_fn is not None:
+            try:
+                value = self.reward_fn(result, task)
+            except Exception as exc:  # a bad score fails its episode, not the run
+                value, invalid = None, f"the reward function raised {type(exc).__name__}: {exc}"
+            else:
+                invalid = reward_error(value, "the reward function's score")
+            if invalid is None:
+                ep.reward = float(value)
+            else:
+                ep.status, ep.error = EpisodeStatus.FAILED, invalid
+            return
+        ep.status, ep.error = (
+            EpisodeStatus.FAILED,
+            f"the agent returned a {type(result).__name__}, not a reward: return a float, "
+            "call areal.reward(value), or set agent.reward to score the text it returns",
+        )

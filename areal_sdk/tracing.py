@@ -17,6 +17,7 @@ import abc
 import contextvars
 import functools
 import inspect
+import math
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -28,6 +29,39 @@ from areal_sdk.trajectory import Episode, EpisodeStatus, new_id
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# Why an episode whose agent returned fails when the gateway recorded no model call.
+NO_MODEL_CALL = (
+    "no model call reached the gateway: the agent returned without calling the policy. "
+    "Its client probably points elsewhere (a base_url given in code, a subprocess given "
+    "its own environment, an unsupported SDK); see 'What is captured' in docs/plugins.md"
+)
+
+
+def routing_env(gateway: str, api_key: str) -> dict[str, str]:
+    """Environment variables that send SDK clients started with them to ``gateway`` (its
+    root URL) under ``api_key``: every name the supported SDKs and frameworks read."""
+    root = gateway.rstrip("/")
+    return {
+        "OPENAI_BASE_URL": f"{root}/v1",
+        "OPENAI_API_BASE": f"{root}/v1",  # LangChain
+        "OPENAI_API_BASE_URL": f"{root}/v1",  # CAMEL
+        "OPENAI_API_KEY": api_key,
+        "ANTHROPIC_BASE_URL": root,
+        "ANTHROPIC_API_URL": root,  # LangChain
+        "ANTHROPIC_API_KEY": api_key,
+        "AREAL_EPISODE_KEY": api_key,
+        "AREAL_GATEWAY_URL": root,
+    }
+
+
+def reward_error(value: object, source: str) -> str | None:
+    """Why ``value`` cannot be a reward (not a finite real number), or ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{source} is not a number: {type(value).__name__} {value!r:.80}"
+    if not math.isfinite(value):
+        return f"{source} is not finite: {value!r}"
+    return None
 
 
 @dataclass
@@ -41,24 +75,24 @@ class EpisodeContext:
     api_key: str | None = None
     explicit_reward: float | None = None
     turn_rewards: dict[str, float] = field(default_factory=dict)
+    # Set by areal.reward() given something that is no reward: the episode fails with it.
+    reward_error: str | None = None
 
     @property
     def id(self) -> str:
         return self.episode.id
 
     def env(self) -> dict[str, str]:
-        """Environment variables that route a subprocess's SDK clients into this episode."""
+        """Environment variables that route a subprocess's SDK clients into this episode.
+
+        Children started with ``subprocess`` inside the episode get them already; pass
+        them yourself where the child's environment is built another way:
+
+        >>> env = {**os.environ, **areal.current_episode().env()}  # doctest: +SKIP
+        """
         if self.base_url is None or self.api_key is None:
             return {}
-        root = self.base_url.rstrip("/")
-        return {
-            "OPENAI_BASE_URL": f"{root}/v1",
-            "OPENAI_API_KEY": self.api_key,
-            "ANTHROPIC_BASE_URL": root,
-            "ANTHROPIC_API_KEY": self.api_key,
-            "AREAL_EPISODE_KEY": self.api_key,
-            "AREAL_GATEWAY_URL": root,
-        }
+        return routing_env(self.base_url, self.api_key)
 
 
 class RolloutScope(abc.ABC):
@@ -105,13 +139,17 @@ def rollout_scope(scope: RolloutScope) -> Iterator[RolloutScope]:
 def reward(value: float, turn: str | None = None) -> None:
     """Set the current episode's reward (or one turn's reward, by turn id).
 
-    Outside an episode this does nothing, so an agent calls it unconditionally.
+    Outside an episode this does nothing, so an agent calls it unconditionally. A value
+    that is not a finite number (NaN, infinity, a string) fails the episode with the
+    reason, whatever the agent does next: it is never trained as some number.
     """
     ctx = _current_episode.get()
     if ctx is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"areal.reward() takes a number, got {type(value).__name__}")
+    error = reward_error(value, "the reward given to areal.reward()")
+    if error is not None:
+        ctx.reward_error = ctx.reward_error or error
+        return
     if turn is None:
         ctx.explicit_reward = float(value)
     else:
@@ -150,8 +188,14 @@ def _finish(ctx: EpisodeContext, result: Any, error: BaseException | None) -> No
         ep.status = EpisodeStatus.FAILED
         ep.error = "".join(traceback.format_exception_only(type(error), error)).strip()
         ep.metadata.setdefault("traceback", "".join(traceback.format_exception(error))[-4000:])
+    elif ctx.reward_error is not None:
+        ep.status, ep.error = EpisodeStatus.FAILED, ctx.reward_error
     elif isinstance(result, int | float) and not isinstance(result, bool):
-        ep.reward = float(result)
+        invalid = reward_error(result, "the reward the agent returned")
+        if invalid is not None:
+            ep.status, ep.error = EpisodeStatus.FAILED, invalid
+        else:
+            ep.reward = float(result)
     if ctx.explicit_reward is not None:
         ep.reward = ctx.explicit_reward
     for turn in ep.turns:

@@ -1,4 +1,5 @@
 import asyncio
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,7 +67,30 @@ def test_reward_from_inside_overrides_the_return_value():
     with areal.rollout_scope(bad):
         areal.trace(lambda t: areal.reward("high"))({})
     assert bad.episodes[0].status == "failed"
-    assert "takes a number, got str" in bad.episodes[0].error
+    assert "is not a number: str 'high'" in bad.episodes[0].error
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "0.5", None, [1.0]])
+def test_a_reward_that_is_no_finite_number_fails_the_episode(value):
+    @areal.trace
+    def gives(task):
+        areal.reward(value)
+        areal.reward(1.0)  # a later valid reward does not hide the bad one
+        return 1.0
+
+    @areal.trace
+    def returns(task):
+        return value
+
+    rollout = LocalRollout()
+    with areal.rollout_scope(rollout):
+        gives({})
+        returns({})
+    given, returned = rollout.episodes
+    assert given.status == "failed" and "areal.reward()" in given.error
+    assert repr(value)[:10] in given.error
+    if isinstance(value, float):  # a returned float is the reward; other values are not
+        assert returned.status == "failed" and "the agent returned is not finite" in returned.error
 
 
 def test_concurrent_asyncio_tasks_each_see_their_own_episode():

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from areal_sdk.gateway.conversation import Message
 from areal_sdk.gateway.metrics import GatewayMetrics
 from areal_sdk.gateway.templating import HistoryEntry
+from areal_sdk.tracing import NO_MODEL_CALL
 from areal_sdk.trajectory import Episode, EpisodeStatus, Turn, new_id
 
 KEY_PREFIX = "sk-areal-"
@@ -162,6 +163,9 @@ class SessionManager:
             episode.reward = reward
         if error is not None:
             episode.error = error
+        if status == EpisodeStatus.OK and not episode.turns:  # nothing captured: never trains
+            episode.status, episode.error = EpisodeStatus.FAILED, NO_MODEL_CALL
+            self.metrics.sessions.labels("no_model_call").inc()
         if metadata:
             episode.metadata.update(metadata)
         episode.ended = time.time()

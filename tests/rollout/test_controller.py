@@ -5,6 +5,7 @@ Gateway-backed rollouts (turns recorded) are tested in tests/rollout/test_gatewa
 
 import asyncio
 import json
+import math
 import time
 
 import pytest
@@ -88,6 +89,29 @@ def test_reward_function_scores_a_string_answer(tmp_path):
     tasks = [{"id": "a", "guess": "4", "answer": "4"}, {"id": "b", "guess": "5", "answer": "4"}]
     summary = run(RolloutController(answer, StoreSessions(store), reward_fn=reward), tasks)
     assert sorted(e.reward for e in summary.episodes) == [0.0, 1.0]
+
+
+def test_text_with_no_reward_or_a_score_that_is_no_number_fails_its_episode(tmp_path):
+    @areal.trace
+    def answer(task):
+        return task["guess"]
+
+    def reward(completion, task):
+        return {"nan": math.nan, "inf": math.inf, "str": "1.0"}[completion]
+
+    tasks = [{"id": g, "guess": g} for g in ("nan", "inf", "str")]
+    store = TrajectoryStore(tmp_path)
+    scored = run(RolloutController(answer, StoreSessions(store), reward_fn=reward), tasks)
+    unscored = run(RolloutController(answer, StoreSessions(store)), tasks[:1])
+    errors = {e.task_id: e.error for e in scored.episodes}
+    assert all(e.status == "failed" for e in scored.episodes + unscored.episodes)
+    assert errors == {
+        "nan": "the reward function's score is not finite: nan",
+        "inf": "the reward function's score is not finite: inf",
+        "str": "the reward function's score is not a number: str '1.0'",
+    }
+    assert "returned a str, not a reward" in unscored.episodes[0].error
+    assert not any(e.status == "ok" for e in store.query())  # nothing of it trains
 
 
 def test_run_group_shares_a_group_and_metadata(tmp_path):
