@@ -56,6 +56,11 @@ class AgentConfig(Section):
     reward: str | None = Field(
         None, description="a registered reward function applied to the final answer"
     )
+    framework_telemetry: bool = Field(
+        False,
+        description="let the agent's frameworks export traces of rollouts (Agents SDK "
+        "tracing, LangSmith, CAMEL's Langfuse); off, nothing of a trajectory leaves the machine",
+    )
 
     @model_validator(mode="after")
     def _entry_shape(self) -> AgentConfig:

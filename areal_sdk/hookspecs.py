@@ -58,6 +58,9 @@ class GatewayRoute:
     """
 
     base_url: str  # e.g. http://127.0.0.1:8321 (no /v1)
+    # Off (the default), adapters switch off their framework's own exporters (traces sent
+    # to a vendor) while routing is installed: ``agent.framework_telemetry`` turns them on.
+    framework_telemetry: bool = False
 
     @property
     def openai_base_url(self) -> str:

@@ -170,7 +170,9 @@ class LocalStack:
             self.url = self._gateway.start()
         except ServerStartError as exc:  # the port is taken, or the gateway failed to come up
             raise LaunchError(str(exc)) from exc
-        self.host.install_routing(GatewayRoute(self.url))
+        self.host.install_routing(
+            GatewayRoute(self.url, framework_telemetry=self.cfg.agent.framework_telemetry)
+        )
         return self
 
     def sessions(self, run_id: str) -> InProcessSessions:

@@ -6,11 +6,15 @@ signature, in the httpx2-based majors (openai 3, anthropic 2) and the httpx-base
 before them, so patching it covers both HTTP stacks without touching transports.
 
 At request time the patch asks :func:`episode_target`; outside an episode it calls the
-original method and nothing changes. Inside one, a client left at its SDK's default base URL
-(or already pointed at the gateway) gets its request re-aimed at the gateway root, with the
+original method and nothing changes. Inside one, a client left at its defaults (the SDK's
+built-in base URL, or the one an environment variable such as ``OPENAI_BASE_URL`` gives) or
+already pointed at the gateway gets its request re-aimed at the gateway root, with the
 episode key as the API key and the turn metadata of the active framework hooks in the
-``x-areal-metadata`` header. A client pointed at any other URL (an LLM judge on another API)
-is untouched, and so is a client built with ``default_headers={"x-areal-route": "off"}``.
+``x-areal-metadata`` header. A client given any other URL in code (an LLM judge on another
+API) is untouched, and so is a client built with ``default_headers={"x-areal-route": "off"}``.
+
+Child processes started with :mod:`subprocess` (or asyncio's subprocess functions) inside an
+episode inherit its routing variables (:class:`ChildProcessEnv`).
 
 Nothing on the client object changes, so a client built before the episode, or shared by
 episodes running in parallel, routes each call by the episode of the caller.
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import json
 import os
+import subprocess
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_sdk.hookspecs import GatewayRoute
-from areal_sdk.tracing import current_episode
+from areal_sdk.tracing import current_episode, routing_env
 
 METADATA_HEADER = "x-areal-metadata"
 ROUTE_HEADER = "x-areal-route"  # "off" on a client keeps it on its own base URL
@@ -92,9 +98,33 @@ def is_gateway_url(url: object, target: Target | None = None) -> bool:
     return any(text == _norm(r) or text.startswith(_norm(r) + "/") for r in roots)
 
 
-def should_route(base_url: object, default_url: str, target: Target) -> bool:
-    """A client is routed when it is at its SDK's default URL or already at the gateway."""
-    return _norm(base_url) == _norm(default_url) or is_gateway_url(base_url, target)
+# The environment variables through which the SDKs and the frameworks on them read a base
+# URL: an address found there is the user's default, routed like the SDK's built-in one.
+OPENAI_URL_ENV = (
+    "OPENAI_BASE_URL",  # openai SDK
+    "OPENAI_API_BASE",  # LangChain's ChatOpenAI
+    "OPENAI_API_BASE_URL",  # CAMEL's OPENAI platform
+    "OPENAI_COMPATIBILITY_API_BASE_URL",  # CAMEL's OPENAI_COMPATIBLE_MODEL platform
+)
+ANTHROPIC_URL_ENV = (
+    "ANTHROPIC_BASE_URL",  # anthropic SDK
+    "ANTHROPIC_API_URL",  # LangChain's ChatAnthropic
+)
+
+
+def env_urls(names: tuple[str, ...]) -> set[str]:
+    return {_norm(os.environ[n]) for n in names if os.environ.get(n, "").strip()}
+
+
+def should_route(
+    base_url: object, default_url: str, target: Target | None, env_names: tuple[str, ...] = ()
+) -> bool:
+    """A client is routed when it is at its SDK's default URL, at an address from the
+    environment, or already at the gateway; one given another URL in code is not."""
+    url = _norm(base_url)
+    return (
+        url == _norm(default_url) or url in env_urls(env_names) or is_gateway_url(base_url, target)
+    )
 
 
 # -- turn metadata -------------------------------------------------------------------------
@@ -141,6 +171,7 @@ class SdkSpec:
 
     module: str  # "openai" or "anthropic"
     default_url: str  # the SDK's built-in base URL
+    url_env: tuple[str, ...]  # environment variables that give this SDK's clients a URL
     api_root: Callable[[str], str]  # gateway root -> this SDK's base URL at the gateway
     auth_headers: Callable[[str], dict[str, str]]  # episode key -> headers
 
@@ -206,7 +237,7 @@ class SdkPatch:
             target = episode_target()
             if (
                 target is None
-                or not should_route(client.base_url, spec.default_url, target)
+                or not should_route(client.base_url, spec.default_url, target, spec.url_env)
                 or _route_off(client, options)
             ):
                 return original(client, options, *args, **kwargs)
@@ -234,6 +265,7 @@ OPENAI = SdkPatch(
     SdkSpec(
         module="openai",
         default_url="https://api.openai.com/v1",
+        url_env=OPENAI_URL_ENV,
         api_root=lambda root: root + "/v1",
         auth_headers=lambda key: {"Authorization": f"Bearer {key}"},
     )
@@ -242,6 +274,7 @@ ANTHROPIC = SdkPatch(
     SdkSpec(
         module="anthropic",
         default_url="https://api.anthropic.com",
+        url_env=ANTHROPIC_URL_ENV,
         api_root=lambda root: root,
         auth_headers=lambda key: {"X-Api-Key": key, "Authorization": f"Bearer {key}"},
     )
@@ -266,12 +299,19 @@ def key_for_routed_client() -> str | None:
     return PLACEHOLDER_KEY if _route is not None else None
 
 
+def routable_in_code(url: object | None) -> bool:
+    """Whether a client given ``url`` in code (``None``: none given) will be routed: it
+    takes its address from the environment or the SDK's default, or names the gateway."""
+    return url is None or is_gateway_url(url, episode_target())
+
+
 class OpenAIKeyFill:
     """Let ``OpenAI()`` be built while a rollout runs when no ``OPENAI_API_KEY`` is set.
 
     The openai SDK refuses to construct a client without a key, before any request exists.
-    A client that will be routed (no base URL, or the gateway's) and has no key of its own
-    gets :func:`key_for_routed_client`; a client with a key or another URL is unchanged.
+    A client that will be routed (no base URL in code, or the gateway's) and has no key of
+    its own gets :func:`key_for_routed_client`; a client with a key or given another URL is
+    unchanged.
     """
 
     def __init__(self) -> None:
@@ -301,9 +341,8 @@ class OpenAIKeyFill:
     def _make_init(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             if kwargs.get("api_key") is None and not os.environ.get("OPENAI_API_KEY"):
-                base = kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL")
                 key = key_for_routed_client()
-                if key is not None and (base is None or is_gateway_url(base, episode_target())):
+                if key is not None and routable_in_code(kwargs.get("base_url")):
                     kwargs["api_key"] = key
             original(self, *args, **kwargs)
 
@@ -314,14 +353,77 @@ class OpenAIKeyFill:
 OPENAI_KEY_FILL = OpenAIKeyFill()
 
 
+class ChildProcessEnv:
+    """Give child processes started inside an episode the episode's routing variables.
+
+    Episodes run concurrently in one process, so ``os.environ`` cannot carry the key.
+    Instead ``subprocess.Popen`` (under ``subprocess.run``, ``check_output`` and asyncio's
+    ``create_subprocess_exec`` / ``_shell``) is patched: started inside an episode, a child
+    gets each variable of :func:`~areal_sdk.tracing.routing_env` unless its caller set that
+    variable to a value of its own. With ``env=None`` the child's environment is this
+    process's plus the episode's; with an explicit ``env``, a routing variable it lacks or
+    copies unchanged from ``os.environ`` is replaced, one it sets otherwise is kept.
+    ``os.system``, ``os.exec*``, ``os.posix_spawn`` and multiprocessing's spawn start
+    method bypass ``Popen``: pass ``current_episode().env()`` to those yourself.
+    """
+
+    def __init__(self) -> None:
+        self._owners: set[str] = set()
+        self._original: Callable[..., Any] | None = None
+
+    def acquire(self, owner: str) -> None:
+        with _lock:
+            self._owners.add(owner)
+            if self._original is None:
+                self._original = subprocess.Popen.__init__
+                subprocess.Popen.__init__ = self._make_init(self._original)  # type: ignore[method-assign]
+
+    def release(self, owner: str) -> None:
+        with _lock:
+            self._owners.discard(owner)
+            if not self._owners and self._original is not None:
+                subprocess.Popen.__init__ = self._original  # type: ignore[method-assign]
+                self._original = None
+
+    @staticmethod
+    def child_env(env: Mapping[str, str] | None, target: Target) -> dict[str, str]:
+        """The environment a child started with ``env`` gets inside ``target``'s episode."""
+        out = dict(os.environ if env is None else env)
+        for name, value in routing_env(target.root, target.api_key).items():
+            if name not in out or out[name] == os.environ.get(name):
+                out[name] = value
+        return out
+
+    def _make_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            target = episode_target()
+            if target is not None:
+                bound = signature.bind(self, *args, **kwargs)
+                bound.arguments["env"] = ChildProcessEnv.child_env(
+                    bound.arguments.get("env"), target
+                )
+                args, kwargs = bound.args[1:], bound.kwargs
+            original(self, *args, **kwargs)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        return __init__
+
+
+CHILD_PROCESS_ENV = ChildProcessEnv()
+
+
 def route_openai(owner: str, route: GatewayRoute) -> None:
     """Route the openai SDK on behalf of ``owner`` (idempotent)."""
     set_route(owner, route)
     OPENAI.acquire(owner)
     OPENAI_KEY_FILL.acquire(owner)
+    CHILD_PROCESS_ENV.acquire(f"{owner}/openai")
 
 
 def unroute_openai(owner: str) -> None:
+    CHILD_PROCESS_ENV.release(f"{owner}/openai")
     OPENAI_KEY_FILL.release(owner)
     OPENAI.release(owner)
     clear_route(owner)
@@ -331,11 +433,43 @@ def route_anthropic(owner: str, route: GatewayRoute) -> None:
     """Route the anthropic SDK on behalf of ``owner`` (idempotent)."""
     set_route(owner, route)
     ANTHROPIC.acquire(owner)
+    CHILD_PROCESS_ENV.acquire(f"{owner}/anthropic")
 
 
 def unroute_anthropic(owner: str) -> None:
+    CHILD_PROCESS_ENV.release(f"{owner}/anthropic")
     ANTHROPIC.release(owner)
     clear_route(owner)
+
+
+class EnvSwitches:
+    """Environment variables an adapter sets while routing is installed, restored after.
+
+    For framework switches read from the environment at use (CAMEL's ``LANGFUSE_ENABLED``)
+    and for child processes, which inherit them: telemetry that is off here stays off in a
+    subprocess agent too.
+    """
+
+    def __init__(self) -> None:
+        self._saved: dict[str, dict[str, str | None]] = {}
+
+    def set(self, owner: str, values: Mapping[str, str]) -> None:
+        with _lock:
+            saved = self._saved.setdefault(owner, {})
+            for name, value in values.items():
+                saved.setdefault(name, os.environ.get(name))
+                os.environ[name] = value
+
+    def restore(self, owner: str) -> None:
+        with _lock:
+            for name, value in self._saved.pop(owner, {}).items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+ENV_SWITCHES = EnvSwitches()
 
 
 class PerLoopClients:

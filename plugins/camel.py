@@ -5,10 +5,12 @@ Routing: CAMEL's ``OPENAI`` platform (also ``DEFAULT``, which is ``OPENAI`` unle
 ``openai.OpenAI`` / ``AsyncOpenAI`` clients, so the openai SDK patch routes them:
 
 - ``OPENAI``: ``url`` or ``OPENAI_API_BASE_URL``; when neither is set the SDK default (or
-  ``OPENAI_BASE_URL``) applies, and a default client goes to the gateway inside an episode.
+  ``OPENAI_BASE_URL``) applies. Without a ``url`` in code the backend goes to the gateway
+  inside an episode: an address from the environment is the user's default.
 - ``OPENAI_COMPATIBLE_MODEL``: ``url`` or ``OPENAI_COMPATIBILITY_API_BASE_URL``, key from
-  ``api_key`` or ``OPENAI_COMPATIBILITY_API_KEY``. Pointed at the gateway (``url`` =
-  ``$AREAL_GATEWAY_URL/v1``) it gets the episode key; pointed elsewhere it is untouched.
+  ``api_key`` or ``OPENAI_COMPATIBILITY_API_KEY``. Routed the same way: with no ``url`` in
+  code, or one naming the gateway, it gets the episode key; a ``url`` naming another server
+  is untouched.
 
 CAMEL checks for a key when the backend is built (``OPENAI_API_KEY`` for ``OPENAI``), before
 any request exists; while routing is installed, a backend that will be routed and has no key
@@ -16,6 +18,11 @@ of its own is built with the episode key (or, outside an episode, a placeholder 
 sent to the gateway), so ``ChatAgent("...")`` works with no OpenAI account. A routed backend
 built without a ``token_counter`` counts context in UTF-8 bytes instead of tiktoken (which
 downloads its encoding, and is not the policy's tokenizer).
+
+Telemetry: CAMEL traces model calls to Langfuse when ``LANGFUSE_ENABLED=true``. While
+routing is installed, ``LANGFUSE_ENABLED`` and Langfuse's own ``LANGFUSE_TRACING_ENABLED``
+are ``false`` (child processes inherit them) unless the route allows framework telemetry
+(``agent.framework_telemetry``).
 
 Structure: ``ChatAgent.step`` / ``astep`` run with the agent's role name, role type, agent
 id and model type in context; the SDK patch sends them as ``x-areal-metadata``
@@ -41,13 +48,11 @@ NAME = "camel"
 EXTRA = "camel"
 REQUIRES = ("camel",)
 
-# Per platform: the env names CAMEL reads for the key and the base URL.
-PLATFORM_ENV = {
-    "openai": ("OPENAI_API_KEY", "OPENAI_API_BASE_URL"),
-    "openai-compatible-model": (
-        "OPENAI_COMPATIBILITY_API_KEY",
-        "OPENAI_COMPATIBILITY_API_BASE_URL",
-    ),
+# Per routed platform: the env name CAMEL reads for the key (its URL names are in
+# _routing.OPENAI_URL_ENV).
+PLATFORM_KEY_ENV = {
+    "openai": "OPENAI_API_KEY",
+    "openai-compatible-model": "OPENAI_COMPATIBILITY_API_KEY",
 }
 
 _current_agent: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
@@ -93,11 +98,9 @@ def _wrap_create(original: Any) -> Any:
         if key is None:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
-        env_names = PLATFORM_ENV.get(_platform_value(bound.arguments.get("model_platform")))
-        if env_names is not None and bound.arguments.get("api_key") is None:
-            key_env, url_env = env_names
-            url = bound.arguments.get("url") or os.environ.get(url_env)
-            routed = url is None or _routing.is_gateway_url(url, _routing.episode_target())
+        key_env = PLATFORM_KEY_ENV.get(_platform_value(bound.arguments.get("model_platform")))
+        if key_env is not None and bound.arguments.get("api_key") is None:
+            routed = _routing.routable_in_code(bound.arguments.get("url"))
             if routed and not os.environ.get(key_env):
                 bound.arguments["api_key"] = key
             if routed and bound.arguments.get("token_counter") is None:
@@ -186,10 +189,25 @@ def areal_adapters() -> list[AdapterInfo]:
     return [AdapterInfo(name=NAME, framework="CAMEL", requires=REQUIRES, extra=EXTRA)]
 
 
+_LANGFUSE_OFF = {"LANGFUSE_ENABLED": "false", "LANGFUSE_TRACING_ENABLED": "false"}
+
+
+def _silence_langfuse() -> None:
+    _routing.ENV_SWITCHES.set(NAME, _LANGFUSE_OFF)
+    try:  # a backend built before now may have configured it already
+        from camel.utils import configure_langfuse
+
+        configure_langfuse(enabled=False)
+    except Exception:  # no langfuse installed (CAMEL then traces nothing), or an older CAMEL
+        pass
+
+
 @hookimpl
 def areal_install_routing(route: GatewayRoute) -> None:
     _routing.route_openai(NAME, route)
     _patch()
+    if not route.framework_telemetry:
+        _silence_langfuse()
     _routing.register_metadata_provider(NAME, _metadata)
 
 
@@ -197,4 +215,5 @@ def areal_install_routing(route: GatewayRoute) -> None:
 def areal_remove_routing() -> None:
     _routing.unregister_metadata_provider(NAME)
     _unpatch()
+    _routing.ENV_SWITCHES.restore(NAME)
     _routing.unroute_openai(NAME)

@@ -3,8 +3,9 @@
 Routing: ``ChatOpenAI`` and ``ChatAnthropic`` call the openai and anthropic SDKs, always
 through ``client.with_raw_response.create(...)``; the SDK patch re-aims those requests where
 they are built, so the raw-response wrapper, streaming and ``bind_tools`` all work unchanged.
-A chat model left at its defaults (no ``base_url`` / ``OPENAI_API_BASE``, Anthropic's default
-``anthropic_api_url``) goes to the gateway inside an episode; one given another URL does not.
+A chat model left at its defaults (no ``base_url`` in code: the SDK's URL or one from
+``OPENAI_API_BASE`` / ``OPENAI_BASE_URL`` / ``ANTHROPIC_API_URL`` / ``ANTHROPIC_BASE_URL``)
+goes to the gateway inside an episode; one given another URL in code does not.
 LangGraph nodes call these same chat models, so graphs route with no extra step. While
 routing is installed, a routable ``ChatOpenAI`` built with no key at all gets the episode key
 (or a placeholder outside an episode) instead of building no sync client.
@@ -15,6 +16,12 @@ starts inside an episode it records the LangChain run id, parent run id, run nam
 LangGraph node and step, the tools bound to the model, and the tools that ran since the
 previous model call; the SDK patch sends that as the ``x-areal-metadata`` header
 (``{"langchain": {...}}``). Token ids never come from these hooks: the gateway records them.
+
+Telemetry: with ``LANGSMITH_TRACING`` (or ``LANGCHAIN_TRACING_V2``) set, LangChain sends
+every run, prompts and outputs included, to LangSmith. While routing is installed that is
+switched off (``langsmith.configure(enabled=False)``, and the same variables set to
+``false`` for child processes) unless the route allows framework telemetry
+(``agent.framework_telemetry``) or the agent's code configured LangSmith itself.
 """
 
 from __future__ import annotations
@@ -195,7 +202,7 @@ def _patch_chat_openai_key() -> None:
     """Let ``ChatOpenAI()`` be built with no ``OPENAI_API_KEY`` while routing is installed.
 
     ``ChatOpenAI`` without a key builds no sync client at all (``invoke`` then fails); a
-    routable one (no base URL of its own, or the gateway's) is given the key of
+    routable one (no base URL in code, or the gateway's) is given the key of
     ``_routing.key_for_routed_client``. A model with a key or another URL is unchanged.
     """
     global _chat_openai_init
@@ -211,16 +218,9 @@ def _patch_chat_openai_key() -> None:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             has_key = any(kwargs.get(k) is not None for k in ("api_key", "openai_api_key"))
             if not has_key and not os.environ.get("OPENAI_API_KEY"):
-                base = (
-                    kwargs.get("base_url")
-                    or kwargs.get("openai_api_base")
-                    or os.environ.get("OPENAI_API_BASE")
-                    or os.environ.get("OPENAI_BASE_URL")
-                )
+                base = kwargs.get("base_url") or kwargs.get("openai_api_base")
                 key = _routing.key_for_routed_client()
-                if key is not None and (
-                    base is None or _routing.is_gateway_url(base, _routing.episode_target())
-                ):
+                if key is not None and _routing.routable_in_code(base):
                     kwargs["api_key"] = key
             original(self, *args, **kwargs)
 
@@ -237,6 +237,39 @@ def _unpatch_chat_openai_key() -> None:
 
         ChatOpenAI.__init__ = _chat_openai_init  # type: ignore[method-assign]
         _chat_openai_init = None
+
+
+_LANGSMITH_OFF = {"LANGSMITH_TRACING": "false", "LANGSMITH_TRACING_V2": "false"}
+_langsmith_silenced = False
+
+
+def _silence_langsmith() -> None:
+    """Switch LangSmith tracing off process-wide, unless the agent's code configured it."""
+    global _langsmith_silenced
+    if importlib.util.find_spec("langsmith") is None:
+        return
+    import langsmith
+
+    _routing.ENV_SWITCHES.set(NAME, _LANGSMITH_OFF)
+    try:  # langsmith.configure(enabled=...) in the agent's code is the user's own choice
+        from langsmith._internal import _context
+
+        configured = getattr(_context, "_GLOBAL_TRACING_ENABLED", None)
+    except ImportError:
+        configured = None
+    if configured is None and hasattr(langsmith, "configure"):
+        langsmith.configure(enabled=False)  # outranks the environment, in every thread
+        _langsmith_silenced = True
+
+
+def _restore_langsmith() -> None:
+    global _langsmith_silenced
+    _routing.ENV_SWITCHES.restore(NAME)
+    if _langsmith_silenced:
+        import langsmith
+
+        langsmith.configure(enabled=None)  # back to what the environment says
+        _langsmith_silenced = False
 
 
 def _metadata() -> dict[str, Any] | None:
@@ -300,6 +333,8 @@ def areal_install_routing(route: GatewayRoute) -> None:
         _routing.route_anthropic(NAME, route)
     _install_callbacks()
     _patch_chat_openai_key()
+    if not route.framework_telemetry and not _langsmith_silenced:
+        _silence_langsmith()
     for sdk, clients in zip(CHAT_MODEL_PACKAGES.values(), _HTTP_CLIENTS, strict=True):
         if sdk in sdks:
             clients.install()
@@ -311,6 +346,7 @@ def areal_remove_routing() -> None:
     _routing.unregister_metadata_provider(NAME)
     _remove_callbacks()
     _unpatch_chat_openai_key()
+    _restore_langsmith()
     for clients in _HTTP_CLIENTS:
         clients.remove()
     _routing.unroute_openai(NAME)

@@ -15,6 +15,12 @@ name, the span chain, the workflow name, group id and trace id, and the tools (f
 spans) that ran since the previous model call, as ``x-areal-metadata``
 (``{"openai_agents": {...}}``). The processor stays registered after routing is removed
 (the SDK has no way to unregister one) but then does nothing.
+
+Telemetry: the SDK's default trace processor exports every span (prompts and outputs
+included) to OpenAI's trace ingestion endpoint whenever ``OPENAI_API_KEY`` is set. While
+routing is installed it is taken out of the SDK's processors (``set_trace_processors``), and
+child processes get ``OPENAI_AGENTS_DISABLE_TRACING=1``, unless the route allows framework
+telemetry (``agent.framework_telemetry``). Processors the user added stay.
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ _http_clients = _routing.PerLoopClients(
     "openai:DefaultAsyncHttpxClient",  # openai 2
 )
 _processor: Any = None
+_removed_exporter: Any = None  # the SDK's default (exporting) processor, while taken out
+_disabled_tracing = False  # where processors cannot be told apart, tracing is off instead
 _lock = threading.Lock()
 
 
@@ -144,6 +152,46 @@ def _metadata() -> dict[str, Any] | None:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _processors() -> list[Any] | None:
+    """The SDK's registered trace processors, or ``None`` where this version hides them."""
+    from agents.tracing import get_trace_provider
+
+    multi = getattr(get_trace_provider(), "_multi_processor", None)
+    found = getattr(multi, "_processors", None)
+    return list(found) if isinstance(found, tuple | list) else None
+
+
+def _stop_export() -> None:
+    """Take the SDK's default exporting processor out of its processors."""
+    global _removed_exporter, _disabled_tracing
+    from agents.tracing import set_trace_processors, set_tracing_disabled
+    from agents.tracing.processors import default_processor
+
+    _routing.ENV_SWITCHES.set(NAME, {"OPENAI_AGENTS_DISABLE_TRACING": "1"})
+    processors = _processors()
+    if processors is None:  # no way to tell processors apart: no tracing at all
+        set_tracing_disabled(True)
+        _disabled_tracing = True
+        return
+    exporter = default_processor()
+    if exporter in processors:
+        set_trace_processors([p for p in processors if p is not exporter])
+        _removed_exporter = exporter
+
+
+def _restore_export() -> None:
+    global _removed_exporter, _disabled_tracing
+    from agents.tracing import add_trace_processor, set_tracing_disabled
+
+    _routing.ENV_SWITCHES.restore(NAME)
+    if _removed_exporter is not None:
+        add_trace_processor(_removed_exporter)
+        _removed_exporter = None
+    if _disabled_tracing:
+        set_tracing_disabled(False)
+        _disabled_tracing = False
+
+
 @hookimpl
 def areal_plugin_status() -> PluginStatus:
     return status_for_modules(REQUIRES, extra=EXTRA, kind="adapter")
@@ -164,6 +212,8 @@ def areal_install_routing(route: GatewayRoute) -> None:
 
             _processor = _make_processor()
             add_trace_processor(_processor)
+        if not route.framework_telemetry and _removed_exporter is None and not _disabled_tracing:
+            _stop_export()
         _book.active = True
         _http_clients.install()
     _routing.register_metadata_provider(NAME, _metadata)
@@ -177,4 +227,5 @@ def areal_remove_routing() -> None:
         _book.spans.clear()
         _book.tools.clear()
         _http_clients.remove()
+        _restore_export()
     _routing.unroute_openai(NAME)

@@ -80,21 +80,22 @@ def test_tool_use_loop_goes_to_the_gateway(host, scope, gateway):
     assert len(gateway.requests) == 2
 
 
-def test_base_url_and_env_pointing_elsewhere_are_untouched(
+def test_base_url_in_code_is_untouched_and_an_env_address_is_routed(
     host, scope, gateway, other, monkeypatch
 ):
     @areal.trace
     def agent(task):
         explicit = ask(anthropic.Anthropic(base_url=other.url, api_key="judge"), "explicit")
+        # An address from the environment is the user's default, not a judge: routed.
         monkeypatch.setenv("ANTHROPIC_BASE_URL", other.url)
-        from_env = ask(anthropic.Anthropic(api_key="judge"), "env")
+        from_env = ask(anthropic.Anthropic(api_key="vendor"), "env")
         return [explicit, from_env]
 
     with rollout_scope(scope):
-        assert agent({}) == ["[other] explicit", "[other] env"]
-    assert gateway.requests == []
+        assert agent({}) == ["[other] explicit", "[gateway] env"]
     # anthropic 2.x sends the key as a bearer token, 0.x as x-api-key
-    assert [r.api_key for r in other.requests] == ["judge", "judge"]
+    assert [r.api_key for r in other.requests] == ["judge"]
+    assert [r.api_key for r in gateway.requests] == [f"key-{scope.episodes[0].id}"]
 
 
 def test_outside_an_episode_nothing_changes(host, gateway, request_log):

@@ -132,9 +132,10 @@ def test_compatible_platform_env_names(host, scope, gateway, other, monkeypatch)
         )
         return ChatAgent("x", model=backend).step("env").msgs[0].content
 
-    with rollout_scope(scope):
-        assert agent({}) == "[other] env"
-    assert gateway.requests == [] and other.requests[0].bearer == "env-key"
+    with rollout_scope(scope):  # an address from the environment is the user's default
+        assert agent({}) == "[gateway] env"
+    assert other.requests == []
+    assert gateway.requests[0].bearer == f"key-{scope.episodes[0].id}"
 
 
 def test_outside_an_episode_nothing_changes(host, gateway, request_log, monkeypatch):
