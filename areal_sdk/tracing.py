@@ -33,8 +33,8 @@ R = TypeVar("R")
 # Why an episode whose agent returned fails when the gateway recorded no model call.
 NO_MODEL_CALL = (
     "no model call reached the gateway: the agent returned without calling the policy. "
-    "Its client probably points elsewhere (a base_url given in code, a subprocess given "
-    "its own environment, an unsupported SDK); see 'What is captured' in docs/plugins.md"
+    "Its client probably points elsewhere (a base_url given in code, a child process not "
+    "started through subprocess, an SDK with no adapter); see docs/capture.md"
 )
 
 

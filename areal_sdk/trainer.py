@@ -281,6 +281,7 @@ class AsyncTrainer:
                 "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
                 "rollout/episodes": float(sum(len(g.episodes) for g in groups)),
                 "rollout/failed": float(sum(len(g.episodes) - len(g.ok) for g in groups)),
+                "rollout/no_model_call": float(self.controller.no_model_call),  # run total
                 "rollout/staleness_max": float(max(staleness)),
                 "rollout/staleness_mean": statistics.fmean(staleness),
                 "rollout/tokens_per_s": self._rollout_tokens / elapsed if elapsed > 0 else 0.0,

@@ -392,6 +392,8 @@ class ChildProcessEnv:
         for name, value in routing_env(target.root, target.api_key).items():
             if name not in out or out[name] == os.environ.get(name):
                 out[name] = value
+        for name, value in ENV_SWITCHES.for_children().items():
+            out.setdefault(name, value)
         return out
 
     def _make_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -447,21 +449,31 @@ class EnvSwitches:
 
     For framework switches read from the environment at use (CAMEL's ``LANGFUSE_ENABLED``)
     and for child processes, which inherit them: telemetry that is off here stays off in a
-    subprocess agent too.
+    subprocess agent too. ``children_only`` values go only into the environment of children
+    started inside an episode (a switch this process must not read itself).
     """
 
     def __init__(self) -> None:
         self._saved: dict[str, dict[str, str | None]] = {}
+        self._children: dict[str, dict[str, str]] = {}
 
-    def set(self, owner: str, values: Mapping[str, str]) -> None:
+    def set(self, owner: str, values: Mapping[str, str], *, children_only: bool = False) -> None:
         with _lock:
+            if children_only:
+                self._children.setdefault(owner, {}).update(values)
+                return
             saved = self._saved.setdefault(owner, {})
             for name, value in values.items():
                 saved.setdefault(name, os.environ.get(name))
                 os.environ[name] = value
 
+    def for_children(self) -> dict[str, str]:
+        with _lock:
+            return {k: v for values in self._children.values() for k, v in values.items()}
+
     def restore(self, owner: str) -> None:
         with _lock:
+            self._children.pop(owner, None)
             for name, value in self._saved.pop(owner, {}).items():
                 if value is None:
                     os.environ.pop(name, None)

@@ -167,7 +167,9 @@ def _stop_export() -> None:
     from agents.tracing import set_trace_processors, set_tracing_disabled
     from agents.tracing.processors import default_processor
 
-    _routing.ENV_SWITCHES.set(NAME, {"OPENAI_AGENTS_DISABLE_TRACING": "1"})
+    # Only for children: the SDK here reads it once and would stop tracing the spans whose
+    # names become turn metadata.
+    _routing.ENV_SWITCHES.set(NAME, {"OPENAI_AGENTS_DISABLE_TRACING": "1"}, children_only=True)
     processors = _processors()
     if processors is None:  # no way to tell processors apart: no tracing at all
         set_tracing_disabled(True)
