@@ -1,11 +1,11 @@
 """Adapter for the anthropic Python SDK (``Anthropic`` / ``AsyncAnthropic``).
 
-Inside an episode, a client left at ``https://api.anthropic.com`` (or pointed at the
-gateway) sends its Messages calls to the gateway root with the episode key in ``X-Api-Key``
-(and as a bearer token, for clients built with ``auth_token``). A client built with
-``base_url=`` or ``ANTHROPIC_BASE_URL`` naming another server is untouched, as is every call
-outside an episode. Subprocess agents read ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY``
-from ``EpisodeContext.env()``.
+Inside an episode, a client left at its defaults (``https://api.anthropic.com``, or the
+address ``ANTHROPIC_BASE_URL`` gives) or pointed at the gateway sends its Messages calls to
+the gateway root with the episode key in ``X-Api-Key`` (and as a bearer token, for clients
+built with ``auth_token``). A client given another ``base_url=`` in code is untouched, as is
+every call outside an episode. Child processes started inside an episode get
+``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY`` from it (``EpisodeContext.env()``).
 """
 
 from __future__ import annotations
