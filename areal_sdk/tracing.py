@@ -32,9 +32,10 @@ R = TypeVar("R")
 
 # Why an episode whose agent returned fails when the gateway recorded no model call.
 NO_MODEL_CALL = (
-    "no model call reached the gateway: the agent returned without calling the policy. "
-    "Its client probably points elsewhere (a base_url given in code, a child process not "
-    "started through subprocess, an SDK with no adapter); see docs/capture.md"
+    "no model call captured: the agent returned, but the gateway recorded no completion for "
+    "this episode. Its client probably points elsewhere (a base_url given in code, a child "
+    "process not started through subprocess, an SDK with no adapter), or its calls failed "
+    "and the agent went on; see docs/capture.md"
 )
 
 
