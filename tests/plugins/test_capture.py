@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 import areal_sdk as areal
@@ -273,6 +274,8 @@ def test_an_episode_whose_calls_never_reach_the_gateway_fails_and_never_trains(
     assert len(warnings) == 1  # the first one warns; the metric counts them all
     stored = [stack.store.get(e.id) for e in summary.episodes]
     assert all(s.status == "failed" and s.error == NO_MODEL_CALL for s in stored)
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert 'areal_gateway_sessions_total{event="no_model_call"} 3.0' in metrics
 
 
 @_needs("agents", "langsmith")
