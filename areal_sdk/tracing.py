@@ -8,7 +8,9 @@ raising it into the controller.
 
 Context variables follow asyncio tasks automatically. Threads do not inherit them: wrap the
 function with ``areal.bind`` (``executor.submit(areal.bind(fn), x)``) or use
-``asyncio.to_thread``, which copies the context for you.
+``asyncio.to_thread``, which copies the context for you. Child processes started through
+``subprocess`` inside an episode get its routing variables from the adapters; for any other
+way of starting one, pass ``current_episode().env()`` (docs/capture.md).
 """
 
 from __future__ import annotations
