@@ -176,6 +176,15 @@ class TrajectoryStore:
             )
             return cur.rowcount
 
+    def relabel_run(self, run_id: str, new_run_id: str) -> int:
+        """Move every episode of ``run_id`` to ``new_run_id`` (an evaluation cut short keeps
+        its episodes apart from the one that replaces it); returns how many moved."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE episodes SET run_id=? WHERE run_id=?", (new_run_id, run_id)
+            )
+            return cur.rowcount
+
     # -- reading ---------------------------------------------------------------------------
 
     def _where(

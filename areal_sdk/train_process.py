@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Iterator
@@ -156,6 +157,9 @@ def _child_main(conn: Connection, config: dict[str, Any]) -> None:
     from areal_sdk.config import Config
     from areal_sdk.plugin_host import get_host
 
+    # A terminal's Ctrl-C reaches the whole process group; the parent finishes the step in
+    # flight and checkpoints before it stops this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         cfg = Config.model_validate(config)
         backend = get_host().train_backend(cfg.train.backend)(cfg)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from areal_sdk.algorithms.advantages import sample_advantages
 from areal_sdk.algorithms.losses import make_loss_fn
@@ -38,6 +38,8 @@ from areal_sdk.train_backend import TrainBackend
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class TrainingError(RuntimeError):
@@ -100,9 +102,25 @@ class GroupBuffer:
 
 @dataclass
 class StepReport:
+    """One finished step. ``step`` counts from 1: the number of updates the weights have had,
+    as the CLI, the metrics, TensorBoard, the reward curve and the checkpoints name it."""
+
     step: int
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``work``'s result, or None once ``stop`` is set first (``work`` is then cancelled)."""
+    job = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({job, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        return job.result() if job.done() else None
+    finally:
+        for pending in (job, stopped):
+            pending.cancel()
+        await asyncio.gather(job, stopped, return_exceptions=True)
 
 
 def cycle_tasks(tasks: Sequence[dict[str, Any]], *, start: int = 0) -> Iterator[dict[str, Any]]:
@@ -125,6 +143,7 @@ class AsyncTrainer:
         log: Callable[[int, dict[str, float]], None],
         checkpoint: Callable[[int], None] | None = None,
         on_step: Callable[[StepReport], None] | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
@@ -135,6 +154,7 @@ class AsyncTrainer:
         self.log = log
         self.checkpoint = checkpoint
         self.on_step = on_step
+        self.stop = stop or asyncio.Event()
         self.group_size = cfg.rollout.group_size
         self.groups_per_step = cfg.rollout.batch_size // cfg.rollout.group_size
         self.staleness = StalenessController(
@@ -258,23 +278,26 @@ class AsyncTrainer:
         metrics["train/samples"] = float(len(samples))
         return metrics
 
-    async def _step(self, step: int) -> StepReport:
-        t0 = time.perf_counter()
-        groups, drop_metrics = await self._next_groups(step)
-        wait_s = time.perf_counter() - t0
-        staleness = [step - g.start_version for g in groups]
+    async def _step(
+        self, index: int, taken: tuple[list[Group], dict[str, float]], wait_s: float
+    ) -> StepReport:
+        """Train on the ``taken`` groups as update ``index`` (0-based), push, mark them
+        consumed."""
+        t0 = time.perf_counter() - wait_s
+        groups, metrics_of_drops = taken
+        staleness = [index - g.start_version for g in groups]
         self.max_seen_staleness = max(self.max_seen_staleness, *staleness)
-        metrics = await asyncio.to_thread(self._train_on, groups, step)
+        metrics = await asyncio.to_thread(self._train_on, groups, index)
         new_version = self.backend.version
         t_push = time.perf_counter()
         await self.push_weights(new_version)
         push_s = time.perf_counter() - t_push
         ids = [e.id for g in groups for e in g.episodes]
-        await asyncio.to_thread(self.store.mark_consumed, ids, step)
+        await asyncio.to_thread(self.store.mark_consumed, ids, index)
         await self.staleness.set_version(new_version)
         rewards = [r for g in groups for r in g.rewards]
         elapsed = time.perf_counter() - self._rollout_started
-        metrics.update(drop_metrics)
+        metrics.update(metrics_of_drops)
         metrics.update(
             {
                 "rollout/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
@@ -290,8 +313,8 @@ class AsyncTrainer:
                 "weights/version": float(new_version),
             }
         )
-        self.log(step, metrics)
-        report = StepReport(step=step, version=new_version, metrics=metrics)
+        report = StepReport(step=index + 1, version=new_version, metrics=metrics)
+        self.log(report.step, metrics)
         if self.on_step is not None:
             self.on_step(report)
         return report
@@ -301,23 +324,39 @@ class AsyncTrainer:
     ) -> list[StepReport]:
         """Train from the backend's current step to ``run.steps``; ``leftovers`` (accepted,
         untrained groups of a resumed run, partial ones completed on their task in ``tasks``)
-        are trained before new rollouts."""
+        are trained before new rollouts.
+
+        Setting ``stop`` ends training early: a step still waiting for its groups is dropped
+        (they stay unconsumed in the store, so a resumed run trains them), a step that has
+        its groups finishes, and the last finished step is checkpointed."""
         first = self.backend.step
         by_id = {str(task["id"]): task for task in tasks}
         producer = asyncio.create_task(
             self._produce(cycle_tasks(tasks, start=first * self.groups_per_step), leftovers, by_id)
         )
-        reports = []
+        reports: list[StepReport] = []
+        checkpointed = first
         try:
-            for step in range(first, self.cfg.run.steps):
+            for index in range(first, self.cfg.run.steps):
                 if producer.done():
                     producer.result()  # re-raise a producer failure
                     raise TrainingError("the rollout producer stopped")
-                reports.append(await self._step(step))
+                if self.stop.is_set():
+                    break
+                waited = time.perf_counter()
+                taken = await unless_stopped(self._next_groups(index), self.stop)
+                if taken is None:
+                    break
+                report = await self._step(index, taken, time.perf_counter() - waited)
+                reports.append(report)
                 every = self.cfg.run.checkpoint_every
-                last = step + 1 == self.cfg.run.steps
-                if self.checkpoint is not None and (last or (every and (step + 1) % every == 0)):
-                    await asyncio.to_thread(self.checkpoint, step + 1)
+                last = report.step == self.cfg.run.steps
+                if self.checkpoint is not None and (last or (every and report.step % every == 0)):
+                    await asyncio.to_thread(self.checkpoint, report.step)
+                    checkpointed = report.step
+            if self.checkpoint is not None and self.backend.step > checkpointed:
+                # Stopped early: what was trained since the last checkpoint is kept.
+                await asyncio.to_thread(self.checkpoint, self.backend.step)
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

@@ -31,7 +31,7 @@ def _consumed(cfg):
 def test_a_short_run_trains_pushes_and_respects_the_staleness_bound(run_config, max_staleness):
     cfg, result = _run(run_config(rollout={"max_staleness": max_staleness}))
     assert result.steps == 3 and result.version == 3
-    assert [r.step for r in result.reports] == [0, 1, 2]
+    assert [r.step for r in result.reports] == [1, 2, 3]
     # The engine serves each pushed version: the trained policy's eval tokens carry the last.
     store, consumed = _consumed(cfg)
     evaluated = store.query(run_id="eval-trained")
@@ -56,7 +56,7 @@ def test_a_short_run_trains_pushes_and_respects_the_staleness_bound(run_config, 
     assert json.loads((run_dir / "eval.json").read_text())["after"]["version"] == 3
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line) for line in lines]
-    assert [m["step"] for m in logged] == [0, 1, 2]
+    assert [m["step"] for m in logged] == [1, 2, 3]
     assert all(m["rollout/staleness_max"] <= max_staleness for m in logged)
     assert (run_dir / "checkpoints" / "step-3" / "trainer_state.json").is_file()
 
@@ -106,7 +106,7 @@ def test_the_engine_dying_mid_run_is_restarted_with_the_latest_weights(run_confi
     events: list[str] = []
 
     def crash_once(report):
-        if report.step != 0:
+        if report.step != 1:
             return
         engine = run.stack.engine.engine  # the SupervisedEngine's current embedded engine
 
