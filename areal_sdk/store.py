@@ -288,6 +288,12 @@ class TrajectoryStore:
             ).fetchall()
         return dict(rows)
 
+    def highest_version(self) -> int | None:
+        """The newest weight version that sampled any stored token (None if none did)."""
+        with self._lock:
+            row = self._db.execute("SELECT MAX(max_version) FROM episodes").fetchone()
+        return None if row[0] is None else int(row[0])
+
     def runs(self) -> list[str]:
         with self._lock:
             return [

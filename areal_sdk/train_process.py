@@ -91,6 +91,9 @@ class _Child:
             return b.save(*args)
         if op == "load":
             return b.load(*args)
+        if op == "set_initial_version":
+            (b.initial_version,) = args
+            return None
         if op == "sync_begin":
             (bucket_bytes,) = args
             self._buckets = iter(b.state_for_sync(bucket_bytes))
@@ -254,6 +257,10 @@ class TrainProcess(TrainBackend):
     @property
     def initial_version(self) -> int:  # type: ignore[override]
         return int(self._state["initial_version"])
+
+    @initial_version.setter
+    def initial_version(self, version: int) -> None:
+        self._call("set_initial_version", version)
 
     @property
     def rank(self) -> int:

@@ -62,8 +62,21 @@ class Group:
         return min(int(e.metadata.get("start_version", 0)) for e in self.episodes)
 
     @property
+    def start_step(self) -> int:
+        """The trainer's step (updates taken) when the group started: staleness counts
+        updates, and a resumed run's weight versions may skip numbers lost with a crash."""
+        return min(start_step_of(e) for e in self.episodes)
+
+    @property
     def rewards(self) -> list[float]:
         return [e.reward or 0.0 for e in self.ok]
+
+
+def start_step_of(episode: Episode) -> int:
+    """The trainer's step when ``episode``'s group started (episodes stored before steps
+    were recorded ran where version and step were one)."""
+    meta = episode.metadata
+    return int(meta.get("start_step", meta.get("start_version", 0)))
 
 
 @dataclass
@@ -91,7 +104,7 @@ class GroupBuffer:
         self._finished = itertools.count()
 
     def put(self, group: Group) -> None:
-        self._groups.put_nowait((group.start_version, next(self._finished), group))
+        self._groups.put_nowait((group.start_step, next(self._finished), group))
 
     async def get(self) -> Group:
         return (await self._groups.get())[2]
@@ -157,12 +170,14 @@ class AsyncTrainer:
         self.stop = stop or asyncio.Event()
         self.group_size = cfg.rollout.group_size
         self.groups_per_step = cfg.rollout.batch_size // cfg.rollout.group_size
+        # Admission counts updates (steps); the weights of step k carry version k + offset.
         self.staleness = StalenessController(
             batch_size=cfg.rollout.batch_size,
             max_staleness=cfg.rollout.max_staleness,
-            version=backend.version,
+            version=backend.step,
             admitted=backend.step * cfg.rollout.batch_size,
         )
+        self.version_offset = backend.version - backend.step
         self.buffer = GroupBuffer()
         self.max_seen_staleness = 0
         self.groups_started = 0
@@ -218,13 +233,16 @@ class AsyncTrainer:
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _run_group(
-        self, task: dict[str, Any], start_version: int, leftover: Leftover | None = None
+        self, task: dict[str, Any], start_step: int, leftover: Leftover | None = None
     ) -> None:
         """A new group, or the missing samples of ``leftover`` under its group id; either way
         the whole group goes to the buffer."""
         episodes = await self.controller.run_group(
             task,
-            metadata={"start_version": start_version},
+            metadata={
+                "start_version": start_step + self.version_offset,
+                "start_step": start_step,
+            },
             group_id=leftover.group.group_id if leftover else None,
             samples=leftover.missing if leftover else None,
         )
@@ -241,7 +259,7 @@ class AsyncTrainer:
         dropped_stale = dropped_flat = dropped_failed = 0
         while len(chosen) < self.groups_per_step:
             group = await self.buffer.get()
-            if not self.staleness.is_fresh(group.start_version, step):
+            if not self.staleness.is_fresh(group.start_step, step):
                 dropped_stale += 1
             elif not group.ok:
                 dropped_failed += 1
@@ -285,7 +303,7 @@ class AsyncTrainer:
         consumed."""
         t0 = time.perf_counter() - wait_s
         groups, metrics_of_drops = taken
-        staleness = [index - g.start_version for g in groups]
+        staleness = [index - g.start_step for g in groups]
         self.max_seen_staleness = max(self.max_seen_staleness, *staleness)
         metrics = await asyncio.to_thread(self._train_on, groups, index)
         new_version = self.backend.version
@@ -294,7 +312,7 @@ class AsyncTrainer:
         push_s = time.perf_counter() - t_push
         ids = [e.id for g in groups for e in g.episodes]
         await asyncio.to_thread(self.store.mark_consumed, ids, index)
-        await self.staleness.set_version(new_version)
+        await self.staleness.set_version(self.backend.step)
         rewards = [r for g in groups for r in g.rewards]
         elapsed = time.perf_counter() - self._rollout_started
         metrics.update(metrics_of_drops)

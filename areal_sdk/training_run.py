@@ -44,6 +44,7 @@ from areal_sdk.trainer import (
     Leftover,
     StepReport,
     TrainingError,
+    start_step_of,
     unless_stopped,
 )
 from areal_sdk.trajectory import Episode, EpisodeStatus
@@ -126,19 +127,23 @@ def _final_samples(episodes: list[Episode], retries: int) -> dict[int, Episode]:
 def _leftover_groups(
     store: TrajectoryStore,
     *,
-    oldest_version: int,
-    newest_version: int,
+    checkpoint_step: int,
+    checkpoint_version: int,
+    max_staleness: int,
     group_size: int,
     retries: int,
 ) -> tuple[list[Leftover], int]:
     """Groups of the training run that no step consumed and that may still train, each with
     the sample indices it lacks (episodes are stored one by one, so a crash can leave a group
-    partial); and how many untrained episodes may not.
+    partial); and how many untrained episodes were sampled by weights the checkpoint does
+    not descend from.
 
-    A group trains if every weight version that started or sampled it is between
-    ``oldest_version`` (the staleness bound) and ``newest_version`` (the checkpoint resumed
-    from): newer weights died with the process, and training on their samples would claim
-    a policy that no longer exists."""
+    Weights newer than the checkpoint died with the process: training on their samples would
+    claim a policy that no longer exists. A group is of the checkpoint's lineage if it started
+    under the version its step had there (``checkpoint_version - checkpoint_step`` apart) and
+    no token is newer than the checkpoint; it is fresh enough if it started within
+    ``max_staleness`` steps of the checkpoint."""
+    offset = checkpoint_version - checkpoint_step
     by_group: dict[str, list[Episode]] = defaultdict(list)
     for episode in store.iter(run_id=TRAIN_RUN, consumed=False):
         by_group[episode.group_id or episode.id].append(episode)
@@ -147,12 +152,14 @@ def _leftover_groups(
     for gid, episodes in by_group.items():
         if store.count(group_id=gid, consumed=True):
             continue  # trained; these are failed attempts that its final ones replaced
+        steps = [start_step_of(e) for e in episodes]
         started = [int(e.metadata.get("start_version", 0)) for e in episodes]
         sampled = [v for e in episodes if (v := e.max_version) is not None]
-        if max(started + sampled) > newest_version:
+        lineage = all(v - k == offset for v, k in zip(started, steps, strict=True))
+        if not lineage or max(started + sampled) > checkpoint_version:
             lost_weights += len(episodes)
             continue
-        if min(started) < oldest_version:
+        if min(steps) < checkpoint_step - max_staleness:
             continue
         final = _final_samples(episodes, retries)
         missing = [i for i in range(group_size) if i not in final]
@@ -332,24 +339,34 @@ class TrainingRun:
             latest = self.checkpoints.latest()
             if latest is not None:
                 await in_fresh_thread(backend.load, latest.path)
-            start = latest.step if latest is not None else 0
+            start, version = backend.step, backend.version
             released = store.release_consumed_from(start)
             metrics.drop_after(start)  # those steps are trained again: logged once
             leftovers, lost_weights = _leftover_groups(
                 store,
-                oldest_version=backend.version - cfg.rollout.max_staleness,
-                newest_version=backend.version,
+                checkpoint_step=start,
+                checkpoint_version=version,
+                max_staleness=cfg.rollout.max_staleness,
                 group_size=cfg.rollout.group_size,
                 retries=cfg.rollout.retries,
             )
+            lost = store.highest_version()
+            if lost is not None and lost > version:
+                # Versions up to ``lost`` named weights that died with the process: the
+                # checkpoint's weights and their successors get numbers never used before.
+                backend.initial_version = lost + 1 - start
+                self.on_event(
+                    f"weight versions {version + 1}-{lost} were lost with the process; "
+                    f"the checkpoint's weights continue as version {backend.version}"
+                )
             result.resumed_from = start
             result.refed_episodes = sum(len(left.group.episodes) for left in leftovers)
             partial = sum(1 for left in leftovers if left.missing)
             self.on_event(
                 f"resumed from step {start}: {released} episodes of lost steps released, "
                 f"{result.refed_episodes} accepted episodes queued to train first "
-                f"({partial} partial groups to complete), {lost_weights} sampled by weights "
-                "lost with the process left untrained"
+                f"({partial} partial groups to complete); {lost_weights} sampled by weights "
+                "the checkpoint does not descend from are left untrained"
             )
         self.on_event("starting the engine and the gateway")
         stack = self.stack = LocalStack(cfg, store, host=self.host, on_restart=self.on_event)
