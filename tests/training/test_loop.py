@@ -201,3 +201,20 @@ def test_a_resumed_run_completes_a_group_the_crash_cut_short(run_config, caplog)
         sorted(i for i, _ in v) == [0, 1] and len({s for _, s in v}) == 1 for v in by_group.values()
     )
     assert store.query(group_id="grp-orphan") == [orphan] and orphan.id not in steps
+
+
+def test_an_evaluation_cut_short_runs_again_without_its_partial_episodes(run_config):
+    """The process died while evaluating the initial policy: two of its four held-out
+    episodes were stored, no result. The resumed run evaluates all four again and counts
+    only those."""
+    path = run_config(run={"steps": 1}, eval={"after": False})
+    cfg = load_config(path)
+    with TrajectoryStore(cfg.run.dir) as store:
+        for _ in range(2):
+            store.append(Episode(task_id="t0", reward=1.0), run_id="eval-initial")
+    _, result = _run(path, resume=True)
+    assert result.before is not None and result.before.episodes == 4
+    with TrajectoryStore(cfg.run.dir) as store:
+        assert store.count(run_id="eval-initial") == 4
+        assert store.count(run_id="eval-initial-partial") == 2
+    assert json.loads((result.run_dir / "eval.json").read_text())["before"]["episodes"] == 4

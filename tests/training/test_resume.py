@@ -71,6 +71,10 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(run_config):
     assert {i: s for i, s in consumed.items() if s < killed_at} == kept
     # Each of the 6 steps trained one batch; an episode has one mark, so none twice.
     assert Counter(consumed.values()) == {s: 4 for s in range(6)}
+    # None was trained on samples of the weights that died with the first process.
+    with TrajectoryStore(run_dir) as store:
+        retrained = [store.get(i) for i, s in consumed.items() if s >= killed_at and i in before]
+    assert all((e.max_version or 0) <= killed_at for e in retrained)
     # Accepted-but-untrained episodes from before the kill were trained first, if fresh.
     assert Checkpoints(run_dir).latest().step == 6
 
