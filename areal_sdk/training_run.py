@@ -8,7 +8,12 @@ checkpoints and ``eval.json``.
 Resuming (``resume=True``) loads the newest checkpoint, forgets consumption by steps whose
 update was lost with the crash, and trains the accepted but untrained episodes first
 (completing the groups the crash cut short), so no accepted episode is lost and none is
-trained twice.
+trained twice. Versions of weights lost with the process are never used again, and what they
+sampled is not trained.
+
+``interrupt()`` (the CLI calls it on SIGINT and SIGTERM) stops a run early without losing a
+finished step: the step in flight finishes or is dropped, and the last finished step is
+checkpointed.
 """
 
 from __future__ import annotations
@@ -350,13 +355,13 @@ class TrainingRun:
                 group_size=cfg.rollout.group_size,
                 retries=cfg.rollout.retries,
             )
-            lost = store.highest_version()
-            if lost is not None and lost > version:
-                # Versions up to ``lost`` named weights that died with the process: the
-                # checkpoint's weights and their successors get numbers never used before.
-                backend.initial_version = lost + 1 - start
+            highest = store.highest_version()
+            if highest is not None and highest > version:
+                # Versions after the checkpoint's named weights that died with the process:
+                # the checkpoint's weights and their successors get numbers never used before.
+                backend.initial_version = highest + 1 - start
                 self.on_event(
-                    f"weight versions {version + 1}-{lost} were lost with the process; "
+                    f"weight versions {version + 1}-{highest} were lost with the process; "
                     f"the checkpoint's weights continue as version {backend.version}"
                 )
             result.resumed_from = start
