@@ -148,7 +148,8 @@ def areal_metric_sinks() -> Mapping[str, Callable[..., Any]]:
     """Register metric sinks by name (``run.metric_sinks``).
 
     Returns ``{name: factory}``; ``factory(run_dir: pathlib.Path)`` returns an object with
-    ``log(step: int, metrics: dict[str, float])`` and ``close()``.
+    ``log(step: int, metrics: dict[str, float])`` (steps count from 1) and ``close()``, and
+    optionally ``drop_after(step: int)``: a resumed run logs the later steps again.
     """
 
 

@@ -17,9 +17,14 @@ from areal_sdk.hookspecs import hookimpl
 
 METRICS_FILENAME = "metrics.jsonl"
 REWARD_CURVE_FILENAME = "reward_curve.png"
+EVAL_FILENAME = "eval.json"
 
 
 class MetricSink(Protocol):
+    """Where step metrics go. Steps count from 1. A sink may also define
+    ``drop_after(step)``: a resumed run trains the steps after ``step`` again, so what was
+    logged for them is forgotten and each step shows once."""
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -37,6 +42,15 @@ class JsonlSink:
         self.path = run_dir / METRICS_FILENAME
         self._file = self.path.open("a")
 
+    def drop_after(self, step: int) -> None:
+        """Keep the records of steps up to ``step`` (rewritten atomically)."""
+        self._file.close()
+        kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
+        staging = self.path.with_suffix(".jsonl.partial")
+        staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        staging.replace(self.path)
+        self._file = self.path.open("a")
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
@@ -50,9 +64,18 @@ class TensorBoardSink:
     """Scalars under ``run_dir/tensorboard``."""
 
     def __init__(self, run_dir: Path) -> None:
+        self._log_dir = str(run_dir / "tensorboard")
+        self._writer = self._open()
+
+    def _open(self, purge_step: int | None = None) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        return SummaryWriter(log_dir=self._log_dir, purge_step=purge_step)
+
+    def drop_after(self, step: int) -> None:
+        """TensorBoard hides the events of steps after ``step`` from earlier files."""
+        self._writer.close()
+        self._writer = self._open(purge_step=step + 1)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
@@ -74,6 +97,13 @@ class MetricLogger:
         for sink in self.sinks:
             sink.log(step, metrics)
 
+    def drop_after(self, step: int) -> None:
+        """Forget what was logged for steps after ``step``, in every sink that can."""
+        for sink in self.sinks:
+            drop = getattr(sink, "drop_after", None)
+            if drop is not None:
+                drop(step)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
@@ -86,29 +116,45 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_reward_curve(run_dir: Path, *, key: str = "rollout/reward_mean") -> Path | None:
-    """Draw reward against step from ``metrics.jsonl`` into ``reward_curve.png``.
+def _held_out(run_dir: Path) -> dict[str, dict[str, Any]]:
+    path = Path(run_dir) / EVAL_FILENAME
+    return json.loads(path.read_text()) if path.is_file() else {}
 
-    Held-out evaluations (``eval/reward_mean``) are drawn as points when present.
-    """
+
+def plot_reward_curve(run_dir: Path, *, key: str = "rollout/reward_mean") -> Path | None:
+    """Draw reward against step from ``metrics.jsonl`` into ``reward_curve.png``, with the
+    held-out reward before training (at step 0) and after it (at the last step) from
+    ``eval.json`` as points with their standard error."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    rows = read_metrics(run_dir)
-    train = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    held_out = [
-        (r["step"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None
-    ]
+    train = [(r["step"], r[key]) for r in read_metrics(run_dir) if r.get(key) is not None]
+    held_out = _held_out(run_dir)
     if not train and not held_out:
         return None
+    last = train[-1][0] if train else 0
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     if train:
         ax.plot(*zip(*train, strict=True), label="training reward (batch mean)", color="tab:blue")
-    if held_out:
-        ax.plot(*zip(*held_out, strict=True), "o--", label="held-out reward", color="tab:orange")
+    for name, x, color in (("before", 0, "tab:gray"), ("after", last, "tab:orange")):
+        result = held_out.get(name)
+        if result is None or result.get("mean") is None:
+            continue
+        sem = result.get("sem")
+        ax.errorbar(
+            [x],
+            [result["mean"]],
+            yerr=[sem] if sem is not None and math.isfinite(sem) else None,
+            fmt="o",
+            capsize=4,
+            color=color,
+            label=f"held-out {name}: {result['mean']:.3f}",
+        )
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
     ax.legend(loc="best")

@@ -10,6 +10,10 @@ group is trained: one admitted under version ``v`` trains at step ``t`` only if
 
 Episodes that fail, or that the trainer drops (dynamic filtering), give their slot back so
 the rollout side keeps producing usable data.
+
+Versions here count the trainer's updates (its step). They are the weight versions of a run
+that never lost weights to a crash; a resumed run's weights skip the numbers of the lost
+ones, and staleness stays a count of updates.
 """
 
 from __future__ import annotations

@@ -176,6 +176,15 @@ class TrajectoryStore:
             )
             return cur.rowcount
 
+    def relabel_run(self, run_id: str, new_run_id: str) -> int:
+        """Move every episode of ``run_id`` to ``new_run_id`` (an evaluation cut short keeps
+        its episodes apart from the one that replaces it); returns how many moved."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE episodes SET run_id=? WHERE run_id=?", (new_run_id, run_id)
+            )
+            return cur.rowcount
+
     # -- reading ---------------------------------------------------------------------------
 
     def _where(
@@ -278,6 +287,12 @@ class TrajectoryStore:
                 "SELECT id, consumed_step FROM episodes WHERE consumed_step IS NOT NULL"
             ).fetchall()
         return dict(rows)
+
+    def highest_version(self) -> int | None:
+        """The newest weight version that sampled any stored token (None if none did)."""
+        with self._lock:
+            row = self._db.execute("SELECT MAX(max_version) FROM episodes").fetchone()
+        return None if row[0] is None else int(row[0])
 
     def runs(self) -> list[str]:
         with self._lock:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Iterator
@@ -90,6 +91,9 @@ class _Child:
             return b.save(*args)
         if op == "load":
             return b.load(*args)
+        if op == "set_initial_version":
+            (b.initial_version,) = args
+            return None
         if op == "sync_begin":
             (bucket_bytes,) = args
             self._buckets = iter(b.state_for_sync(bucket_bytes))
@@ -156,6 +160,9 @@ def _child_main(conn: Connection, config: dict[str, Any]) -> None:
     from areal_sdk.config import Config
     from areal_sdk.plugin_host import get_host
 
+    # A terminal's Ctrl-C reaches the whole process group; the parent finishes the step in
+    # flight and checkpoints before it stops this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         cfg = Config.model_validate(config)
         backend = get_host().train_backend(cfg.train.backend)(cfg)
@@ -250,6 +257,10 @@ class TrainProcess(TrainBackend):
     @property
     def initial_version(self) -> int:  # type: ignore[override]
         return int(self._state["initial_version"])
+
+    @initial_version.setter
+    def initial_version(self, version: int) -> None:
+        self._call("set_initial_version", version)
 
     @property
     def rank(self) -> int:

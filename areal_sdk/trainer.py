@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from areal_sdk.algorithms.advantages import sample_advantages
 from areal_sdk.algorithms.losses import make_loss_fn
@@ -38,6 +38,8 @@ from areal_sdk.train_backend import TrainBackend
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class TrainingError(RuntimeError):
@@ -60,8 +62,21 @@ class Group:
         return min(int(e.metadata.get("start_version", 0)) for e in self.episodes)
 
     @property
+    def start_step(self) -> int:
+        """The trainer's step (updates taken) when the group started: staleness counts
+        updates, and a resumed run's weight versions may skip numbers lost with a crash."""
+        return min(start_step_of(e) for e in self.episodes)
+
+    @property
     def rewards(self) -> list[float]:
         return [e.reward or 0.0 for e in self.ok]
+
+
+def start_step_of(episode: Episode) -> int:
+    """The trainer's step when ``episode``'s group started (episodes stored before steps
+    were recorded ran where version and step were one)."""
+    meta = episode.metadata
+    return int(meta.get("start_step", meta.get("start_version", 0)))
 
 
 @dataclass
@@ -89,7 +104,7 @@ class GroupBuffer:
         self._finished = itertools.count()
 
     def put(self, group: Group) -> None:
-        self._groups.put_nowait((group.start_version, next(self._finished), group))
+        self._groups.put_nowait((group.start_step, next(self._finished), group))
 
     async def get(self) -> Group:
         return (await self._groups.get())[2]
@@ -100,9 +115,25 @@ class GroupBuffer:
 
 @dataclass
 class StepReport:
+    """One finished step. ``step`` counts from 1: the number of updates the weights have had,
+    as the CLI, the metrics, TensorBoard, the reward curve and the checkpoints name it."""
+
     step: int
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``work``'s result, or None once ``stop`` is set first (``work`` is then cancelled)."""
+    job = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({job, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        return job.result() if job.done() else None
+    finally:
+        for pending in (job, stopped):
+            pending.cancel()
+        await asyncio.gather(job, stopped, return_exceptions=True)
 
 
 def cycle_tasks(tasks: Sequence[dict[str, Any]], *, start: int = 0) -> Iterator[dict[str, Any]]:
@@ -125,6 +156,7 @@ class AsyncTrainer:
         log: Callable[[int, dict[str, float]], None],
         checkpoint: Callable[[int], None] | None = None,
         on_step: Callable[[StepReport], None] | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
@@ -135,14 +167,17 @@ class AsyncTrainer:
         self.log = log
         self.checkpoint = checkpoint
         self.on_step = on_step
+        self.stop = stop or asyncio.Event()
         self.group_size = cfg.rollout.group_size
         self.groups_per_step = cfg.rollout.batch_size // cfg.rollout.group_size
+        # Admission counts updates (steps); the weights of step k carry version k + offset.
         self.staleness = StalenessController(
             batch_size=cfg.rollout.batch_size,
             max_staleness=cfg.rollout.max_staleness,
-            version=backend.version,
+            version=backend.step,
             admitted=backend.step * cfg.rollout.batch_size,
         )
+        self.version_offset = backend.version - backend.step
         self.buffer = GroupBuffer()
         self.max_seen_staleness = 0
         self.groups_started = 0
@@ -198,13 +233,16 @@ class AsyncTrainer:
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _run_group(
-        self, task: dict[str, Any], start_version: int, leftover: Leftover | None = None
+        self, task: dict[str, Any], start_step: int, leftover: Leftover | None = None
     ) -> None:
         """A new group, or the missing samples of ``leftover`` under its group id; either way
         the whole group goes to the buffer."""
         episodes = await self.controller.run_group(
             task,
-            metadata={"start_version": start_version},
+            metadata={
+                "start_version": start_step + self.version_offset,
+                "start_step": start_step,
+            },
             group_id=leftover.group.group_id if leftover else None,
             samples=leftover.missing if leftover else None,
         )
@@ -221,7 +259,7 @@ class AsyncTrainer:
         dropped_stale = dropped_flat = dropped_failed = 0
         while len(chosen) < self.groups_per_step:
             group = await self.buffer.get()
-            if not self.staleness.is_fresh(group.start_version, step):
+            if not self.staleness.is_fresh(group.start_step, step):
                 dropped_stale += 1
             elif not group.ok:
                 dropped_failed += 1
@@ -258,23 +296,26 @@ class AsyncTrainer:
         metrics["train/samples"] = float(len(samples))
         return metrics
 
-    async def _step(self, step: int) -> StepReport:
-        t0 = time.perf_counter()
-        groups, drop_metrics = await self._next_groups(step)
-        wait_s = time.perf_counter() - t0
-        staleness = [step - g.start_version for g in groups]
+    async def _step(
+        self, index: int, taken: tuple[list[Group], dict[str, float]], wait_s: float
+    ) -> StepReport:
+        """Train on the ``taken`` groups as update ``index`` (0-based), push, mark them
+        consumed."""
+        t0 = time.perf_counter() - wait_s
+        groups, metrics_of_drops = taken
+        staleness = [index - g.start_step for g in groups]
         self.max_seen_staleness = max(self.max_seen_staleness, *staleness)
-        metrics = await asyncio.to_thread(self._train_on, groups, step)
+        metrics = await asyncio.to_thread(self._train_on, groups, index)
         new_version = self.backend.version
         t_push = time.perf_counter()
         await self.push_weights(new_version)
         push_s = time.perf_counter() - t_push
         ids = [e.id for g in groups for e in g.episodes]
-        await asyncio.to_thread(self.store.mark_consumed, ids, step)
-        await self.staleness.set_version(new_version)
+        await asyncio.to_thread(self.store.mark_consumed, ids, index)
+        await self.staleness.set_version(self.backend.step)
         rewards = [r for g in groups for r in g.rewards]
         elapsed = time.perf_counter() - self._rollout_started
-        metrics.update(drop_metrics)
+        metrics.update(metrics_of_drops)
         metrics.update(
             {
                 "rollout/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
@@ -291,8 +332,8 @@ class AsyncTrainer:
                 "weights/version": float(new_version),
             }
         )
-        self.log(step, metrics)
-        report = StepReport(step=step, version=new_version, metrics=metrics)
+        report = StepReport(step=index + 1, version=new_version, metrics=metrics)
+        self.log(report.step, metrics)
         if self.on_step is not None:
             self.on_step(report)
         return report
@@ -302,23 +343,39 @@ class AsyncTrainer:
     ) -> list[StepReport]:
         """Train from the backend's current step to ``run.steps``; ``leftovers`` (accepted,
         untrained groups of a resumed run, partial ones completed on their task in ``tasks``)
-        are trained before new rollouts."""
+        are trained before new rollouts.
+
+        Setting ``stop`` ends training early: a step still waiting for its groups is dropped
+        (they stay unconsumed in the store, so a resumed run trains them), a step that has
+        its groups finishes, and the last finished step is checkpointed."""
         first = self.backend.step
         by_id = {str(task["id"]): task for task in tasks}
         producer = asyncio.create_task(
             self._produce(cycle_tasks(tasks, start=first * self.groups_per_step), leftovers, by_id)
         )
-        reports = []
+        reports: list[StepReport] = []
+        checkpointed = first
         try:
-            for step in range(first, self.cfg.run.steps):
+            for index in range(first, self.cfg.run.steps):
                 if producer.done():
                     producer.result()  # re-raise a producer failure
                     raise TrainingError("the rollout producer stopped")
-                reports.append(await self._step(step))
+                if self.stop.is_set():
+                    break
+                waited = time.perf_counter()
+                taken = await unless_stopped(self._next_groups(index), self.stop)
+                if taken is None:
+                    break
+                report = await self._step(index, taken, time.perf_counter() - waited)
+                reports.append(report)
                 every = self.cfg.run.checkpoint_every
-                last = step + 1 == self.cfg.run.steps
-                if self.checkpoint is not None and (last or (every and (step + 1) % every == 0)):
-                    await asyncio.to_thread(self.checkpoint, step + 1)
+                last = report.step == self.cfg.run.steps
+                if self.checkpoint is not None and (last or (every and report.step % every == 0)):
+                    await asyncio.to_thread(self.checkpoint, report.step)
+                    checkpointed = report.step
+            if self.checkpoint is not None and self.backend.step > checkpointed:
+                # Stopped early: what was trained since the last checkpoint is kept.
+                await asyncio.to_thread(self.checkpoint, self.backend.step)
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

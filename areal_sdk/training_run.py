@@ -8,7 +8,12 @@ checkpoints and ``eval.json``.
 Resuming (``resume=True``) loads the newest checkpoint, forgets consumption by steps whose
 update was lost with the crash, and trains the accepted but untrained episodes first
 (completing the groups the crash cut short), so no accepted episode is lost and none is
-trained twice.
+trained twice. Versions of weights lost with the process are never used again, and what they
+sampled is not trained.
+
+``interrupt()`` (the CLI calls it on SIGINT and SIGTERM) stops a run early without losing a
+finished step: the step in flight finishes or is dropped, and the last finished step is
+checkpointed.
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_sdk.checkpoints import Checkpoints
+from areal_sdk.checkpoints import Checkpoint, Checkpoints
 from areal_sdk.compute_threads import in_fresh_thread
 from areal_sdk.config import Config
 from areal_sdk.evaluation import EvalResult, evaluate
 from areal_sdk.inference import InferenceBackend, PauseMode
 from areal_sdk.launcher import LocalStack
-from areal_sdk.metrics import MetricLogger, plot_reward_curve
+from areal_sdk.metrics import EVAL_FILENAME, MetricLogger, plot_reward_curve
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.rollout import RolloutController
 from areal_sdk.store import STORE_FILENAME, TrajectoryStore
@@ -38,7 +43,15 @@ from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import check_agent_entry, load_agent, load_tasks
 from areal_sdk.train_backend import TrainBackend
 from areal_sdk.train_process import build_train_backend
-from areal_sdk.trainer import AsyncTrainer, Group, Leftover, StepReport, TrainingError
+from areal_sdk.trainer import (
+    AsyncTrainer,
+    Group,
+    Leftover,
+    StepReport,
+    TrainingError,
+    start_step_of,
+    unless_stopped,
+)
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 log = logging.getLogger(__name__)
@@ -60,6 +73,8 @@ class RunResult:
     run_dir: Path = Path()
     resumed_from: int | None = None
     refed_episodes: int = 0
+    interrupted: str | None = None  # why the run stopped early (the signal's name), if it did
+    checkpoint: Checkpoint | None = None  # the newest checkpoint when the run ended
 
 
 class WeightPusher:
@@ -115,25 +130,47 @@ def _final_samples(episodes: list[Episode], retries: int) -> dict[int, Episode]:
 
 
 def _leftover_groups(
-    store: TrajectoryStore, *, oldest_version: int, group_size: int, retries: int
-) -> list[Leftover]:
-    """Groups of the training run that no step consumed and that are still fresh enough to
-    train (started under ``oldest_version`` or later), each with the sample indices it lacks:
-    episodes are stored one by one, so a crash can leave a group partial."""
+    store: TrajectoryStore,
+    *,
+    checkpoint_step: int,
+    checkpoint_version: int,
+    max_staleness: int,
+    group_size: int,
+    retries: int,
+) -> tuple[list[Leftover], int]:
+    """Groups of the training run that no step consumed and that may still train, each with
+    the sample indices it lacks (episodes are stored one by one, so a crash can leave a group
+    partial); and how many untrained episodes were sampled by weights the checkpoint does
+    not descend from.
+
+    Weights newer than the checkpoint died with the process: training on their samples would
+    claim a policy that no longer exists. A group is of the checkpoint's lineage if it started
+    under the version its step had there (``checkpoint_version - checkpoint_step`` apart) and
+    no token is newer than the checkpoint; it is fresh enough if it started within
+    ``max_staleness`` steps of the checkpoint."""
+    offset = checkpoint_version - checkpoint_step
     by_group: dict[str, list[Episode]] = defaultdict(list)
     for episode in store.iter(run_id=TRAIN_RUN, consumed=False):
         by_group[episode.group_id or episode.id].append(episode)
     leftovers = []
+    lost_weights = 0
     for gid, episodes in by_group.items():
-        if min(int(e.metadata.get("start_version", 0)) for e in episodes) < oldest_version:
-            continue
         if store.count(group_id=gid, consumed=True):
             continue  # trained; these are failed attempts that its final ones replaced
+        steps = [start_step_of(e) for e in episodes]
+        started = [int(e.metadata.get("start_version", 0)) for e in episodes]
+        sampled = [v for e in episodes if (v := e.max_version) is not None]
+        lineage = all(v - k == offset for v, k in zip(started, steps, strict=True))
+        if not lineage or max(started + sampled) > checkpoint_version:
+            lost_weights += len(episodes)
+            continue
+        if min(steps) < checkpoint_step - max_staleness:
+            continue
         final = _final_samples(episodes, retries)
         missing = [i for i in range(group_size) if i not in final]
         group = Group(gid, [final[i] for i in sorted(final)])
         leftovers.append(Leftover(group, episodes[0].task_id, missing))
-    return leftovers
+    return leftovers, lost_weights
 
 
 def _weights_of(backend: TrainBackend) -> Callable[[], Any]:
@@ -183,6 +220,9 @@ class TrainingRun:
         self.checkpoints = Checkpoints(self.run_dir, keep=cfg.run.keep_checkpoints)
         self.store_path = self.run_dir / STORE_FILENAME
         self.stack: LocalStack | None = None  # set while running
+        self.interrupted: str | None = None
+        self._stop: asyncio.Event | None = None  # set while running
+        self._task: asyncio.Task[Any] | None = None
         if not resume and (self.store_path.exists() or self.checkpoints.latest() is not None):
             raise RunError(
                 f"{self.run_dir} already holds a run: pass --resume to continue it, or set "
@@ -224,18 +264,73 @@ class TrainingRun:
             agent_kwargs=agent_kwargs,
         )
 
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """Stop the running run early; call it on the run's event loop (a signal handler).
+
+        The step in flight finishes (or, still waiting for its groups, is dropped), the last
+        finished step is checkpointed and ``run()`` returns with ``interrupted=reason``. A
+        second call cancels the run at once, losing what was trained since the last
+        checkpoint."""
+        if self._stop is None:
+            return
+        if self._stop.is_set():
+            if self._task is not None:
+                self._task.cancel()
+            return
+        self.interrupted = reason
+        self._stop.set()
+        self.on_event(
+            f"{reason}: finishing the step in flight and writing a checkpoint "
+            "(interrupt again to stop at once)"
+        )
+
+    def _saved_eval(self, key: str) -> EvalResult | None:
+        path = self.run_dir / EVAL_FILENAME
+        saved = json.loads(path.read_text()).get(key) if path.is_file() else None
+        return EvalResult(**saved) if saved else None
+
+    def _write_eval(self, key: str, result: EvalResult) -> None:
+        """Record one evaluation in ``eval.json`` as soon as it finished (atomically)."""
+        path = self.run_dir / EVAL_FILENAME
+        recorded = json.loads(path.read_text()) if path.is_file() else {}
+        recorded[key] = result.as_dict()
+        staging = path.with_suffix(".json.partial")
+        staging.write_text(json.dumps(recorded, indent=2))
+        staging.replace(path)
+
     async def _evaluate(
-        self, agent: Any, stack: LocalStack, label: str, version: int
-    ) -> EvalResult:
+        self, agent: Any, stack: LocalStack, store: TrajectoryStore, key: str, version: int
+    ) -> EvalResult | None:
+        """The held-out reward of the policy at ``version`` (``key`` "before" or "after"),
+        reused from ``eval.json`` when it was measured there already; None if interrupted."""
+        saved = self._saved_eval(key)
+        if saved is not None and saved.version == version:
+            self.on_event(f"held-out reward {key} training (from {EVAL_FILENAME}): {saved}")
+            return saved
+        label = "initial" if key == "before" else "trained"
+        run_id = f"eval-{label}"
+        # A killed evaluation's episodes (or an earlier policy's) stay apart from this one's.
+        aside = "partial" if saved is None else f"v{saved.version}"
+        store.relabel_run(run_id, f"{run_id}-{aside}")
         kwargs = {**self.cfg.agent.kwargs, **self.cfg.eval.agent_kwargs}
         controller = self._controller(
-            agent, stack, f"eval-{label}", group_size=self.cfg.eval.samples, agent_kwargs=kwargs
+            agent, stack, run_id, group_size=self.cfg.eval.samples, agent_kwargs=kwargs
         )
         self.on_event(f"evaluating the {label} policy on {len(self.eval_tasks)} held-out tasks")
-        return await evaluate(controller, self.eval_tasks, version=version)
+        assert self._stop is not None
+        result = await unless_stopped(
+            evaluate(controller, self.eval_tasks, version=version), self._stop
+        )
+        if result is not None:
+            self._write_eval(key, result)
+            self.on_event(f"held-out reward {key} training: {result}")
+        return result
 
     async def run(self) -> RunResult:
         cfg = self.cfg
+        self._stop = asyncio.Event()
+        self._task = asyncio.current_task()
+        stop = self._stop
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         store = TrajectoryStore(self.store_path, run_id=TRAIN_RUN)
@@ -249,21 +344,34 @@ class TrainingRun:
             latest = self.checkpoints.latest()
             if latest is not None:
                 await in_fresh_thread(backend.load, latest.path)
-            start = latest.step if latest is not None else 0
+            start, version = backend.step, backend.version
             released = store.release_consumed_from(start)
-            leftovers = _leftover_groups(
+            metrics.drop_after(start)  # those steps are trained again: logged once
+            leftovers, lost_weights = _leftover_groups(
                 store,
-                oldest_version=backend.version - cfg.rollout.max_staleness,
+                checkpoint_step=start,
+                checkpoint_version=version,
+                max_staleness=cfg.rollout.max_staleness,
                 group_size=cfg.rollout.group_size,
                 retries=cfg.rollout.retries,
             )
+            highest = store.highest_version()
+            if highest is not None and highest > version:
+                # Versions after the checkpoint's named weights that died with the process:
+                # the checkpoint's weights and their successors get numbers never used before.
+                backend.initial_version = highest + 1 - start
+                self.on_event(
+                    f"weight versions {version + 1}-{highest} were lost with the process; "
+                    f"the checkpoint's weights continue as version {backend.version}"
+                )
             result.resumed_from = start
             result.refed_episodes = sum(len(left.group.episodes) for left in leftovers)
             partial = sum(1 for left in leftovers if left.missing)
             self.on_event(
                 f"resumed from step {start}: {released} episodes of lost steps released, "
                 f"{result.refed_episodes} accepted episodes queued to train first "
-                f"({partial} partial groups to complete)"
+                f"({partial} partial groups to complete); {lost_weights} sampled by weights "
+                "the checkpoint does not descend from are left untrained"
             )
         self.on_event("starting the engine and the gateway")
         stack = self.stack = LocalStack(cfg, store, host=self.host, on_restart=self.on_event)
@@ -278,9 +386,13 @@ class TrainingRun:
             if backend.version != stack.engine.version:
                 await pusher(backend.version)  # a resumed run serves its checkpoint's weights
             agent = load_agent(cfg.agent.entry or "", search_path=[self.config_dir, Path.cwd()])
-            if self.eval_tasks and cfg.eval.before and not self.resume:
-                result.before = await self._evaluate(agent, stack, "initial", backend.version)
-                self.on_event(f"held-out reward before training: {result.before}")
+            if self.eval_tasks and cfg.eval.before and not stop.is_set():
+                # The initial policy: evaluated unless a resumed run measured it already.
+                if backend.step == 0 or self._saved_eval("before") is not None:
+                    initial = backend.version - backend.step
+                    result.before = await self._evaluate(agent, stack, store, "before", initial)
+                else:
+                    self.on_event("no held-out reward before training was recorded in this run")
             controller = self._controller(
                 agent,
                 stack,
@@ -303,16 +415,18 @@ class TrainingRun:
                 log=metrics.log,
                 checkpoint=checkpoint,
                 on_step=self.on_step,
+                stop=stop,
             )
-            started = time.perf_counter()
-            result.reports = await trainer.train(self.tasks, leftovers=leftovers)
-            self.on_event(
-                f"trained {len(result.reports)} steps in {time.perf_counter() - started:.0f} s; "
-                f"max staleness {trainer.max_seen_staleness}"
-            )
-            if self.eval_tasks and cfg.eval.after:
-                result.after = await self._evaluate(agent, stack, "trained", backend.version)
-                self.on_event(f"held-out reward after training: {result.after}")
+            if not stop.is_set():
+                started = time.perf_counter()
+                result.reports = await trainer.train(self.tasks, leftovers=leftovers)
+                self.on_event(
+                    f"trained {len(result.reports)} steps in "
+                    f"{time.perf_counter() - started:.0f} s; "
+                    f"max staleness {trainer.max_seen_staleness}"
+                )
+            if self.eval_tasks and cfg.eval.after and not stop.is_set():
+                result.after = await self._evaluate(agent, stack, store, "after", backend.version)
         finally:
             if watchdog is not None:
                 watchdog.cancel()
@@ -322,17 +436,8 @@ class TrainingRun:
             backend.close()
         result.steps = backend.step
         result.version = backend.version
-        self._write_eval(result)
+        result.interrupted = self.interrupted
+        result.checkpoint = self.checkpoints.latest()
         plot_reward_curve(self.run_dir)
         store.close()
         return result
-
-    def _write_eval(self, result: RunResult) -> None:
-        path = self.run_dir / "eval.json"
-        previous = json.loads(path.read_text()) if path.is_file() else {}
-        if result.before is not None:
-            previous["before"] = result.before.as_dict()
-        if result.after is not None:
-            previous["after"] = result.after.as_dict()
-        if previous:
-            path.write_text(json.dumps(previous, indent=2))

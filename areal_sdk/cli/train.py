@@ -5,9 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_sdk.cli._common import add_config_arguments, console, fail
+
+if TYPE_CHECKING:
+    from areal_sdk.checkpoints import Checkpoint
+    from areal_sdk.training_run import RunResult, TrainingRun
+
+# What a cluster scheduler sends before it kills, and Ctrl-C: both stop the run cleanly.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,6 +38,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def _kept(checkpoint: Checkpoint | None, steps: int) -> str:
+    if checkpoint is None or checkpoint.step == 0:
+        return "no step trained yet, nothing to checkpoint"
+    return f"checkpoint of step {checkpoint.step}/{steps} kept ({checkpoint.path})"
+
+
+async def _run_until_signalled(run: TrainingRun) -> RunResult:
+    """``run.run()``; a stop signal interrupts it cleanly, a second one at once."""
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, run.interrupt, sig.name)
+    try:
+        return await run.run()
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -64,9 +91,9 @@ def train(args: argparse.Namespace) -> int:
             f"{_fmt(m.get('rollout/tokens_per_s'), '.0f')} tok/s  "
             f"loss {_fmt(m.get('loss'), '.4f')}  v{report.version}"
         )
-        progress.update(bar, completed=report.step + 1, stats=stats)
+        progress.update(bar, completed=report.step, stats=stats)
         if not console.is_terminal:
-            console.print(f"step {report.step + 1}/{cfg.run.steps}  {stats}", highlight=False)
+            console.print(f"step {report.step}/{cfg.run.steps}  {stats}", highlight=False)
 
     def on_event(message: str) -> None:
         progress.console.print(f"[dim]·[/] {message}", highlight=False)
@@ -83,12 +110,26 @@ def train(args: argparse.Namespace) -> int:
         return fail(str(exc))
     try:
         with progress:
-            result = asyncio.run(run.run())
+            result = asyncio.run(_run_until_signalled(run))
     except (RunError, TaskError, ModelNotFoundError, TrainingError) as exc:
         return fail(str(exc), code=1)
-    except KeyboardInterrupt:
-        console.print("interrupted: engine and gateway stopped; continue with --resume")
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        kept = _kept(run.checkpoints.latest(), cfg.run.steps)
+        console.print(
+            f"stopped at once: the steps since the last checkpoint are lost; {kept}; "
+            "continue with --resume",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 130
+    if result.interrupted is not None:
+        kept = _kept(result.checkpoint, cfg.run.steps)
+        console.print(
+            f"interrupted by {result.interrupted}: {kept}; continue with --resume",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 128 + signal.Signals[result.interrupted].value
     console.print(f"[bold]run[/] {result.run_dir}  steps {result.steps}  version {result.version}")
     if result.before is not None:
         console.print(f"held-out reward before: {result.before}", highlight=False)

@@ -48,28 +48,6 @@ def test_rollout_stores_episodes_and_prints_the_reward(run_config):
     assert len(episodes) == 6 and all(e.turns for e in episodes)
 
 
-def test_ctrl_c_stops_everything_and_says_how_to_continue(run_config):
-    import signal
-    import time
-
-    config = run_config(run={"steps": 200}, eval={"before": False, "after": False})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_sdk", "train", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    metrics = config.parent / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)  # engine, gateway and threads all stopped
-    assert proc.returncode == 130, out
-    assert "--resume" in out
-
-
 def test_train_names_a_missing_agent_module_before_loading_anything(run_config):
     done = cli("train", run_config(), "agent.entry=no_such_agent:solve")
     assert done.returncode == 2

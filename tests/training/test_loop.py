@@ -31,7 +31,7 @@ def _consumed(cfg):
 def test_a_short_run_trains_pushes_and_respects_the_staleness_bound(run_config, max_staleness):
     cfg, result = _run(run_config(rollout={"max_staleness": max_staleness}))
     assert result.steps == 3 and result.version == 3
-    assert [r.step for r in result.reports] == [0, 1, 2]
+    assert [r.step for r in result.reports] == [1, 2, 3]
     # The engine serves each pushed version: the trained policy's eval tokens carry the last.
     store, consumed = _consumed(cfg)
     evaluated = store.query(run_id="eval-trained")
@@ -56,7 +56,7 @@ def test_a_short_run_trains_pushes_and_respects_the_staleness_bound(run_config, 
     assert json.loads((run_dir / "eval.json").read_text())["after"]["version"] == 3
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line) for line in lines]
-    assert [m["step"] for m in logged] == [0, 1, 2]
+    assert [m["step"] for m in logged] == [1, 2, 3]
     assert all(m["rollout/staleness_max"] <= max_staleness for m in logged)
     assert (run_dir / "checkpoints" / "step-3" / "trainer_state.json").is_file()
 
@@ -106,7 +106,7 @@ def test_the_engine_dying_mid_run_is_restarted_with_the_latest_weights(run_confi
     events: list[str] = []
 
     def crash_once(report):
-        if report.step != 0:
+        if report.step != 1:
             return
         engine = run.stack.engine.engine  # the SupervisedEngine's current embedded engine
 
@@ -201,3 +201,20 @@ def test_a_resumed_run_completes_a_group_the_crash_cut_short(run_config, caplog)
         sorted(i for i, _ in v) == [0, 1] and len({s for _, s in v}) == 1 for v in by_group.values()
     )
     assert store.query(group_id="grp-orphan") == [orphan] and orphan.id not in steps
+
+
+def test_an_evaluation_cut_short_runs_again_without_its_partial_episodes(run_config):
+    """The process died while evaluating the initial policy: two of its four held-out
+    episodes were stored, no result. The resumed run evaluates all four again and counts
+    only those."""
+    path = run_config(run={"steps": 1}, eval={"after": False})
+    cfg = load_config(path)
+    with TrajectoryStore(cfg.run.dir) as store:
+        for _ in range(2):
+            store.append(Episode(task_id="t0", reward=1.0), run_id="eval-initial")
+    _, result = _run(path, resume=True)
+    assert result.before is not None and result.before.episodes == 4
+    with TrajectoryStore(cfg.run.dir) as store:
+        assert store.count(run_id="eval-initial") == 4
+        assert store.count(run_id="eval-initial-partial") == 2
+    assert json.loads((result.run_dir / "eval.json").read_text())["before"]["episodes"] == 4
