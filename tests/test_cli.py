@@ -1,16 +1,24 @@
 """The ``areal-sdk`` command as a user runs it: a real subprocess."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.trajectory import Episode, EpisodeStatus
+from tests.training.conftest import write_run
 
 
 def cli(*args, check=True):
     proc = subprocess.run(
-        [sys.executable, "-m", "areal_sdk", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "areal_sdk", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -85,3 +93,70 @@ def test_trajectories_export(tmp_path):
     assert json.loads(out.read_text())["task_id"] == "a"
     missing = cli("trajectories", "export", str(tmp_path / "nope"), check=False)
     assert missing.returncode == 2 and "no trajectory store" in missing.stderr
+
+
+CAMEL_AGENT = """
+from camel.agents import ChatAgent
+
+
+def solve(task):
+    return 1.0
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("camel") is not None, reason="camel is installed")
+@pytest.mark.parametrize("command", ["train", "rollout"])
+def test_an_agent_missing_its_extra_fails_before_any_model_loads(tmp_path, command):
+    # No model at model.path: a command that loaded it before the agent would fail on that.
+    config = write_run(tmp_path, tmp_path / "no-model-here")
+    (tmp_path / "toy_agent.py").write_text(CAMEL_AGENT)
+    proc = cli(command, config, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == (
+        "error: agent module 'toy_agent' imports 'camel', which is not installed: "
+        'pip install "areal-sdk[camel]"'
+    )
+
+
+SHADOWING_AGENT = """
+from openai import OpenAI
+
+from helpers import PREFIX  # a sibling module, beside this file
+
+
+def solve(task):
+    reply = OpenAI().chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": PREFIX + task["question"]}],
+        max_tokens=4,
+    )
+    return float(bool(reply.choices[0].message.content))
+"""
+
+
+def console_cli(*args, cwd):
+    """The installed ``areal-sdk`` script, as a user runs it: no directory of theirs on
+    sys.path (``python -m`` would put the current one first)."""
+    script = Path(sys.executable).with_name("areal-sdk")
+    return subprocess.run(
+        [str(script), *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def stored_episodes(config: Path, run_id: str = "rollout"):
+    with TrajectoryStore(config.parent / "run") as store:
+        return store.query(run_id=run_id)
+
+
+@pytest.mark.slow
+def test_an_agent_file_named_like_a_framework_package_does_not_shadow_it(tmp_path, tiny_model_dir):
+    config = write_run(tmp_path, tiny_model_dir, agent={"entry": "agents:solve"}, data={"limit": 2})
+    (tmp_path / "agents.py").write_text(SHADOWING_AGENT)  # the OpenAI Agents SDK is `agents`
+    (tmp_path / "helpers.py").write_text('PREFIX = "Question: "\n')
+    proc = console_cli("rollout", config.name, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "4 episodes (0 failed)" in proc.stdout
+    episodes = stored_episodes(config)
+    assert len(episodes) == 4 and all(len(e.turns) == 1 for e in episodes)
+    prompt = episodes[0].turns[0].request["messages"][0]["content"]
+    assert prompt.startswith("Question: What is")

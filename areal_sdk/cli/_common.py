@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -12,7 +13,8 @@ err_console = Console(stderr=True)
 
 def fail(message: str, code: int = 2) -> int:
     """Print an error the way every command does, and return the exit code."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: a message's `pip install "areal-sdk[camel]"` is text, not rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.stderr.flush()
     return code
 
