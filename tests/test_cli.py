@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,39 @@ def test_an_agent_file_named_like_a_framework_package_does_not_shadow_it(tmp_pat
     assert len(episodes) == 4 and all(len(e.turns) == 1 for e in episodes)
     prompt = episodes[0].turns[0].request["messages"][0]["content"]
     assert prompt.startswith("Question: What is")
+
+
+LANGCHAIN_V1_AGENT = """
+from langchain.agents import create_agent
+from langchain_openai import ChatOpenAI
+
+# Built at import, with no API key in the environment, as LangChain's docs write it.
+agent = create_agent(ChatOpenAI(model="gpt-4o-mini", max_tokens=4), tools=[])
+
+
+def solve(task):
+    result = agent.invoke({"messages": [{"role": "user", "content": task["question"]}]})
+    return float(result["messages"][-1].type == "ai")
+"""
+
+
+@pytest.mark.slow
+def test_a_langchain_v1_agent_runs_and_is_captured(tmp_path, tiny_model_dir):
+    config = write_run(tmp_path, tiny_model_dir, data={"limit": 2})
+    (tmp_path / "toy_agent.py").write_text(LANGCHAIN_V1_AGENT)
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "areal_sdk", "rollout", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "4 episodes (0 failed)" in proc.stdout and "reward 1.000" in proc.stdout
+    episodes = stored_episodes(config)
+    assert len(episodes) == 4
+    for episode in episodes:
+        [turn] = episode.turns
+        assert turn.api == "openai.chat" and turn.completion_ids
+        assert turn.request["messages"][-1]["content"].startswith("What is")
