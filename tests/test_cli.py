@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,31 @@ def test_a_langchain_v1_agent_runs_and_is_captured(tmp_path, tiny_model_dir):
         [turn] = episode.turns
         assert turn.api == "openai.chat" and turn.completion_ids
         assert turn.request["messages"][-1]["content"].startswith("What is")
+
+
+def test_no_sglang_server_left_is_one_error_line(tmp_path, tiny_model_dir):
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = write_run(
+        tmp_path,
+        tiny_model_dir,
+        inference={"backend": "sglang", "urls": [f"http://127.0.0.1:{port}"], "retries": 0},
+    )
+    proc = cli("rollout", config, check=False)
+    assert proc.returncode == 1
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: no SGLang server left") and f":{port}" in line
+
+
+@pytest.mark.parametrize("command", [("rollout",), ("train", "--resume")])
+def test_a_run_dir_whose_store_is_not_a_store_is_one_error_line(tmp_path, command):
+    config = write_run(tmp_path, tmp_path / "no-model-here")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trajectories.db").write_text("notes, not a database\n" * 200)
+    proc = cli(*command, config, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "error: cannot open the trajectory store "
+        f"{tmp_path / 'run' / 'trajectories.db'}: file is not a database"
+    )
