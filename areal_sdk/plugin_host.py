@@ -13,7 +13,7 @@ import os
 import re
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -43,6 +43,8 @@ class PluginRecord:
     status: PluginStatus
     loaded: bool
     kinds: tuple[str, ...] = ()
+    # kind -> the names this plugin registers: {"reward": ("exact_match",), "adapter": ...}
+    provides: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _disabled_names() -> set[str]:
@@ -139,19 +141,27 @@ class PluginHost:
     # -- status ----------------------------------------------------------------------------
 
     def plugins(self) -> list[PluginRecord]:
-        """Every plugin seen, loaded or not, with what kinds of component it provides."""
+        """Every plugin seen, loaded or not, with the components it registers by kind."""
         out = []
         for name, record in self._records.items():
-            kinds = tuple(
-                kind
-                for kind, hook in _REGISTRY_HOOKS.items()
-                if self._only(hook, name)()  # non-empty registration from this plugin
-            )
-            if self._only("areal_adapters", name)():
-                kinds = ("adapter", *kinds)
+            provides: dict[str, tuple[str, ...]] = {}
+            adapters = [
+                info.name for infos in self._only("areal_adapters", name)() for info in infos
+            ]
+            if adapters:
+                provides["adapter"] = tuple(adapters)
+            for kind, hook in _REGISTRY_HOOKS.items():
+                names = [key for result in self._only(hook, name)() for key in result]
+                if names:
+                    provides[kind] = tuple(sorted(names))
             out.append(
                 PluginRecord(
-                    record.name, record.source, record.status, record.loaded, kinds or ("hooks",)
+                    record.name,
+                    record.source,
+                    record.status,
+                    record.loaded,
+                    tuple(provides) or ("hooks",),
+                    provides,
                 )
             )
         out.extend(self._failed.values())

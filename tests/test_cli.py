@@ -226,3 +226,35 @@ def test_a_run_dir_whose_store_is_not_a_store_is_one_error_line(tmp_path, comman
         "error: cannot open the trajectory store "
         f"{tmp_path / 'run' / 'trajectories.db'}: file is not a database"
     )
+
+
+def test_plugins_lists_what_each_plugin_registers_by_name():
+    rows = {r["name"]: r for r in json.loads(cli("plugins", "--json").stdout)}
+    assert {"exact_match", "answer_tag"} <= set(rows["builtin_rewards"]["provides"]["reward"])
+    assert "jsonl" in rows["builtin_metrics"]["provides"]["metric_sink"]
+    assert rows["openai"]["provides"]["adapter"] == ["openai"]
+    train = rows["train"]["provides"]
+    assert "torch" in train["train_backend"] and train["weight_sync"]
+    table = wide_cli("plugins").stdout
+    assert "reward: answer_tag, exact_match" in table
+    assert "metric sink: " in table and "weight sync: " in table
+
+
+def wide_cli(*args):
+    """``cli`` with a terminal wide enough that rich never wraps a table cell."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "areal_sdk", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.skipif(importlib.util.find_spec("camel") is not None, reason="camel is installed")
+def test_plugins_table_prints_install_hints_verbatim():
+    table = wide_cli("plugins").stdout
+    camel = next(line for line in table.splitlines() if " camel " in line)
+    assert 'missing camel: pip install "areal-sdk[camel]"' in camel
