@@ -258,3 +258,13 @@ def test_plugins_table_prints_install_hints_verbatim():
     table = wide_cli("plugins").stdout
     camel = next(line for line in table.splitlines() if " camel " in line)
     assert 'missing camel: pip install "areal-sdk[camel]"' in camel
+
+
+def test_rollout_prints_an_agents_error_as_written(tmp_path, tiny_model_dir):
+    config = write_run(tmp_path, tiny_model_dir, data={"limit": 1})
+    (tmp_path / "toy_agent.py").write_text(
+        "def solve(task):\n    raise RuntimeError('needs pip install \"areal-sdk[camel]\"')\n"
+    )
+    proc = cli("rollout", config)
+    assert "2 episodes (2 failed)" in proc.stdout
+    assert 'needs pip install "areal-sdk[camel]"' in proc.stdout

@@ -90,6 +90,14 @@ def rollout(args: argparse.Namespace) -> int:
     )
     console.print(f"reward {result}", highlight=False)
     for episode in summary.failed[:5]:
-        console.print(f"  failed {episode.id}: {episode.error}", highlight=False, soft_wrap=True)
-    console.print(f"stored in {cfg.run.dir} (run id {args.run_id!r})", highlight=False)
+        # Agents' errors are text: `areal-sdk[camel]` in one is not rich markup.
+        console.print(
+            f"  failed {episode.id}: {episode.error}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(
+        f"stored in {cfg.run.dir} (run id {args.run_id!r})", markup=False, highlight=False
+    )
     return 0

@@ -32,6 +32,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def train(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from areal_sdk.config import ConfigError, load_config
@@ -69,7 +70,7 @@ def train(args: argparse.Namespace) -> int:
             console.print(f"step {report.step + 1}/{cfg.run.steps}  {stats}", highlight=False)
 
     def on_event(message: str) -> None:
-        progress.console.print(f"[dim]·[/] {message}", highlight=False)
+        progress.console.print(f"[dim]·[/] {escape(message)}", highlight=False)
 
     try:
         run = TrainingRun(
@@ -89,7 +90,9 @@ def train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print("interrupted: engine and gateway stopped; continue with --resume")
         return 130
-    console.print(f"[bold]run[/] {result.run_dir}  steps {result.steps}  version {result.version}")
+    console.print(
+        f"[bold]run[/] {escape(str(result.run_dir))}  steps {result.steps}  version {result.version}"
+    )
     if result.before is not None:
         console.print(f"held-out reward before: {result.before}", highlight=False)
     if result.after is not None:
