@@ -227,7 +227,7 @@ class LocalStack:
             raise LaunchError(str(exc)) from exc
 
     def sessions(self, run_id: str) -> InProcessSessions:
-        assert self._gateway is not None, "start the stack first"
+        assert self._gateway is not None and self._gateway_state is not None, "start it first"
         return InProcessSessions(self.url, self._gateway_state, self.store, run_id=run_id)
 
     def stop(self) -> None:

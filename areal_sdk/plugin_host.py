@@ -234,7 +234,7 @@ class PluginHost:
 
     def adapters(self) -> list[tuple[AdapterInfo, PluginRecord]]:
         """Every declared adapter with the record of the plugin that declares it."""
-        out = []
+        out: list[tuple[AdapterInfo, PluginRecord]] = []
         for record in self._records.values():
             for infos in self._only("areal_adapters", record.name)():
                 out.extend((info, record) for info in infos)
