@@ -21,9 +21,10 @@ from areal_sdk.gateway.state import Gateway
 from areal_sdk.hookspecs import GatewayRoute
 from areal_sdk.inference import InferenceBackend
 from areal_sdk.plugin_host import PluginHost, get_host
-from areal_sdk.server_thread import ServerStartError, ServerThread
+from areal_sdk.server_thread import ServerStartError, ServerThread, bind_tcp
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
+from areal_sdk.tasks import SearchPath, load_agent
 from areal_sdk.tracing import EpisodeContext
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
@@ -124,8 +125,52 @@ class InProcessSessions:
         return ep
 
 
+class GatewayAddress:
+    """The gateway's socket, bound before anything heavy loads, with every usable framework
+    routed to it.
+
+    Binding first makes a port in use fail in a second rather than after the model has
+    loaded; routing first lets the agent's module be imported (and build its clients, keyless,
+    at import time) before the engine starts. ``LocalStack`` serves the gateway on it.
+    """
+
+    def __init__(self, cfg: Config, host: PluginHost) -> None:
+        self.host = host
+        name, port = cfg.inference.host, cfg.inference.port
+        try:
+            self.sock = bind_tcp(name, port)
+        except OSError as exc:
+            raise LaunchError(f"the gateway cannot bind {name}:{port}: {exc}") from exc
+        bound = self.sock.getsockname()[1]
+        self.url = f"http://[{name}]:{bound}" if ":" in name else f"http://{name}:{bound}"
+        host.install_routing(
+            GatewayRoute(self.url, framework_telemetry=cfg.agent.framework_telemetry)
+        )
+
+    def close(self) -> None:
+        self.host.remove_routing()
+        self.sock.close()
+
+
+def open_agent(
+    cfg: Config, host: PluginHost, *, search_path: SearchPath
+) -> tuple[GatewayAddress, Callable[..., Any]]:
+    """Bind and route the gateway's address, then import ``agent.entry``: the agent's import
+    errors (a missing extra, a typo) surface in seconds, before any model loads."""
+    address = GatewayAddress(cfg, host)
+    try:
+        return address, load_agent(cfg.agent.entry or "", search_path=search_path)
+    except BaseException:
+        address.close()
+        raise
+
+
 class LocalStack:
-    """The inference engine and the gateway, in this process, on loopback."""
+    """The inference engine and the gateway, in this process, on loopback.
+
+    ``address`` is a ``GatewayAddress`` bound earlier (``open_agent``); the stack binds its
+    own when given none, and closes it when it stops.
+    """
 
     def __init__(
         self,
@@ -134,8 +179,10 @@ class LocalStack:
         *,
         host: PluginHost | None = None,
         on_restart: Callable[[str], None] | None = None,
+        address: GatewayAddress | None = None,
     ) -> None:
         self.cfg = cfg
+        self.address = address
         self.on_restart = on_restart
         self.store = store
         self.host = host or get_host()
@@ -146,8 +193,18 @@ class LocalStack:
         self.url = ""
 
     def start(self) -> LocalStack:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a half-started stack leaves no engine, socket or routing behind
+            raise
+        return self
+
+    def _start(self) -> None:
         from areal_sdk.gateway import create_app
 
+        if self.address is None:
+            self.address = GatewayAddress(self.cfg, self.host)
         factory = self.host.inference_backend(self.cfg.inference.backend)
         if self.cfg.inference.backend in SUPERVISED_BACKENDS:
             self.engine = SupervisedEngine(lambda: factory(self.cfg), on_restart=self.on_restart)
@@ -163,27 +220,27 @@ class LocalStack:
             host=self.host,
         )
         self._gateway_state = app.state.gateway
-        try:
-            self._gateway = ServerThread(
-                app, host=self.cfg.inference.host, port=self.cfg.inference.port, name="gateway"
-            )
-            self.url = self._gateway.start()
-        except ServerStartError as exc:  # the port is taken, or the gateway failed to come up
-            raise LaunchError(str(exc)) from exc
-        self.host.install_routing(
-            GatewayRoute(self.url, framework_telemetry=self.cfg.agent.framework_telemetry)
+        self._gateway = ServerThread(
+            app, host=self.cfg.inference.host, sock=self.address.sock, name="gateway"
         )
-        return self
+        try:
+            self.url = self._gateway.start()
+        except ServerStartError as exc:  # the gateway failed to come up
+            raise LaunchError(str(exc)) from exc
 
     def sessions(self, run_id: str) -> InProcessSessions:
-        assert self._gateway is not None, "start the stack first"
+        assert self._gateway is not None and self._gateway_state is not None, "start it first"
         return InProcessSessions(self.url, self._gateway_state, self.store, run_id=run_id)
 
     def stop(self) -> None:
-        self.host.remove_routing()
+        if self.address is not None:
+            self.host.remove_routing()
         if self._gateway is not None:
             self._gateway.stop()
             self._gateway = None
+        if self.address is not None:
+            self.address.sock.close()  # after the server that listens on it has stopped
+            self.address = None
         if self.engine is not None:
             engine, self.engine = self.engine, None
             asyncio.run(engine.close())

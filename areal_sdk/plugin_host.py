@@ -6,11 +6,14 @@ whose framework is missing, is recorded as unusable with the reason; it never br
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
+import logging
 import os
+import re
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "areal_sdk"
 DISABLE_ENV = "AREAL_SDK_DISABLE_PLUGINS"
+log = logging.getLogger(__name__)
 
 
 class PluginError(RuntimeError):
@@ -39,6 +43,8 @@ class PluginRecord:
     status: PluginStatus
     loaded: bool
     kinds: tuple[str, ...] = ()
+    # kind -> the names this plugin registers: {"reward": ("exact_match",), "adapter": ...}
+    provides: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _disabled_names() -> set[str]:
@@ -135,19 +141,27 @@ class PluginHost:
     # -- status ----------------------------------------------------------------------------
 
     def plugins(self) -> list[PluginRecord]:
-        """Every plugin seen, loaded or not, with what kinds of component it provides."""
+        """Every plugin seen, loaded or not, with the components it registers by kind."""
         out = []
         for name, record in self._records.items():
-            kinds = tuple(
-                kind
-                for kind, hook in _REGISTRY_HOOKS.items()
-                if self._only(hook, name)()  # non-empty registration from this plugin
-            )
-            if self._only("areal_adapters", name)():
-                kinds = ("adapter", *kinds)
+            provides: dict[str, tuple[str, ...]] = {}
+            adapters = [
+                info.name for infos in self._only("areal_adapters", name)() for info in infos
+            ]
+            if adapters:
+                provides["adapter"] = tuple(adapters)
+            for kind, hook in _REGISTRY_HOOKS.items():
+                names = [key for result in self._only(hook, name)() for key in result]
+                if names:
+                    provides[kind] = tuple(sorted(names))
             out.append(
                 PluginRecord(
-                    record.name, record.source, record.status, record.loaded, kinds or ("hooks",)
+                    record.name,
+                    record.source,
+                    record.status,
+                    record.loaded,
+                    tuple(provides) or ("hooks",),
+                    provides,
                 )
             )
         out.extend(self._failed.values())
@@ -220,7 +234,7 @@ class PluginHost:
 
     def adapters(self) -> list[tuple[AdapterInfo, PluginRecord]]:
         """Every declared adapter with the record of the plugin that declares it."""
-        out = []
+        out: list[tuple[AdapterInfo, PluginRecord]] = []
         for record in self._records.values():
             for infos in self._only("areal_adapters", record.name)():
                 out.extend((info, record) for info in infos)
@@ -233,7 +247,24 @@ class PluginHost:
         return self.pm.subset_hook_caller(hook_name, remove_plugins=[p for p in unusable if p])
 
     def install_routing(self, route: GatewayRoute) -> None:
-        self._usable_caller("areal_install_routing")(route=route)
+        """Route every usable adapter's framework to ``route``.
+
+        An adapter that fails to install (its framework broken, or shadowed by a user module of
+        the same name) is marked unusable with the reason and logged; the others keep working,
+        so a framework the agent never uses cannot stop the run."""
+        for name in [n for n in self._records if self._is_usable(n)]:
+            try:
+                self._only("areal_install_routing", name)(route=route)
+            except Exception as exc:
+                reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                log.warning("plugin %r could not install its routing: %s", name, reason)
+                with contextlib.suppress(Exception):  # undo what it installed before failing
+                    self._only("areal_remove_routing", name)()
+                record = self._records[name]
+                status = PluginStatus(
+                    False, kind=record.status.kind, reason=f"routing failed: {reason}"
+                )
+                self._records[name] = PluginRecord(name, record.source, status, record.loaded)
 
     def remove_routing(self) -> None:
         self._usable_caller("areal_remove_routing")()
@@ -263,6 +294,35 @@ def reset_host() -> None:
     """Forget the process-wide host (tests, or after changing the disable list)."""
     global _host
     _host = None
+
+
+# `Requires-Dist: langchain-openai<2,>=1; extra == "langchain"`: the name and the extra.
+_REQUIREMENT = re.compile(r'^\s*([A-Za-z0-9][A-Za-z0-9._-]*).*;.*extra\s*==\s*"([^"]+)"')
+_AGGREGATE_EXTRAS = frozenset({"all", "dev"})
+
+
+def extra_for_module(module: str, host: PluginHost | None = None) -> str | None:
+    """The areal-sdk extra that installs the top-level package of ``module``, or None.
+
+    Adapters declare their import names (``agents`` for openai-agents, ``camel`` for
+    camel-ai); other packages are matched by distribution name (``langchain-openai`` ->
+    ``langchain_openai``) against the extras in areal-sdk's own metadata.
+    """
+    top = module.partition(".")[0]
+    for info, _ in (host or get_host()).adapters():
+        if top in {name.partition(".")[0] for name in info.requires}:
+            return info.extra
+    try:
+        requirements = md.requires("areal-sdk") or []
+    except md.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        match = _REQUIREMENT.match(requirement)
+        if match is None or match[2] in _AGGREGATE_EXTRAS:
+            continue
+        if re.sub(r"[-.]", "_", match[1]).lower() == top.lower():
+            return match[2]
+    return None
 
 
 def status_for_modules(

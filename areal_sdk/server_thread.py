@@ -44,8 +44,9 @@ class ServerThread:
 
     The socket is bound here, in the constructor, through ``bind_tcp``: ``port`` is known at
     once, no other process can take the port between choosing and binding it, and a port in
-    use fails now, as a ``ServerStartError``. ``start`` returns ``url`` once the server
-    accepts connections; ``stop`` may be called any number of times.
+    use fails now, as a ``ServerStartError``. Given ``sock`` (from ``bind_tcp``), it serves
+    that socket instead, ``host`` naming its address. ``start`` returns ``url`` once the
+    server accepts connections; ``stop`` may be called any number of times.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class ServerThread:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        sock: socket.socket | None = None,
         name: str = "server",
         lifespan: Literal["auto", "on", "off"] = "on",
         keep_alive_s: float = 30.0,
@@ -62,7 +64,7 @@ class ServerThread:
         self.name = name
         self.host = host
         try:
-            self._sock = bind_tcp(host, port)
+            self._sock = sock if sock is not None else bind_tcp(host, port)
         except OSError as exc:
             raise ServerStartError(
                 f"the {name} cannot bind {self._url(host, port)}: {exc}"

@@ -75,11 +75,14 @@ class TrajectoryStore:
         self.path = path
         self.run_id = run_id
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA busy_timeout=30000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:  # not SQLite, or another program's database
+            raise StoreError(f"cannot open the trajectory store {path}: {exc}") from None
 
     def close(self) -> None:
         with self._lock:

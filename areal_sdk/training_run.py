@@ -34,13 +34,13 @@ from areal_sdk.compute_threads import in_fresh_thread
 from areal_sdk.config import Config
 from areal_sdk.evaluation import EvalResult, evaluate
 from areal_sdk.inference import InferenceBackend, PauseMode
-from areal_sdk.launcher import LocalStack
+from areal_sdk.launcher import LocalStack, open_agent
 from areal_sdk.metrics import EVAL_FILENAME, MetricLogger, plot_reward_curve
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.rollout import RolloutController
 from areal_sdk.store import STORE_FILENAME, TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
-from areal_sdk.tasks import check_agent_entry, load_agent, load_tasks
+from areal_sdk.tasks import load_tasks
 from areal_sdk.train_backend import TrainBackend
 from areal_sdk.train_process import build_train_backend
 from areal_sdk.trainer import (
@@ -232,7 +232,6 @@ class TrainingRun:
             raise RunError(
                 f"--resume: {self.run_dir} has no run to resume (no checkpoint, no store)"
             )
-        check_agent_entry(cfg.agent.entry, search_path=[config_dir, Path.cwd()])
         self.tasks = load_tasks(
             cfg.data.path,
             id_field=cfg.data.id_field,
@@ -245,6 +244,8 @@ class TrainingRun:
             if cfg.data.eval_path
             else []
         )
+        # Before any model loads, so a missing extra or a broken agent fails in seconds.
+        self.address, self.agent = open_agent(cfg, self.host, search_path=[config_dir, Path.cwd()])
 
     def _controller(
         self,
@@ -374,7 +375,9 @@ class TrainingRun:
                 "the checkpoint does not descend from are left untrained"
             )
         self.on_event("starting the engine and the gateway")
-        stack = self.stack = LocalStack(cfg, store, host=self.host, on_restart=self.on_event)
+        stack = self.stack = LocalStack(
+            cfg, store, host=self.host, on_restart=self.on_event, address=self.address
+        )
         await asyncio.to_thread(stack.start)
         watchdog: asyncio.Task[None] | None = None
         try:
@@ -385,7 +388,7 @@ class TrainingRun:
             pusher = WeightPusher(cfg, stack.engine, backend, self.host)
             if backend.version != stack.engine.version:
                 await pusher(backend.version)  # a resumed run serves its checkpoint's weights
-            agent = load_agent(cfg.agent.entry or "", search_path=[self.config_dir, Path.cwd()])
+            agent = self.agent
             if self.eval_tasks and cfg.eval.before and not stop.is_set():
                 # The initial policy: evaluated unless a resumed run measured it already.
                 if backend.step == 0 or self._saved_eval("before") is not None:

@@ -92,3 +92,30 @@ def test_an_episode_the_gateway_does_not_know_keeps_its_outcome(stack: LocalStac
     assert "no open session" in (ended.error or "")
     stored = stack.store.get(episode.id)
     assert stored.reward == 1.0 and stored.status == EpisodeStatus.FAILED
+
+
+def test_open_agent_imports_a_package_beside_the_config_without_shadowing(tmp_path) -> None:
+    """A package agent keeps its relative and sibling imports; its directory never goes ahead
+    of the installed packages on sys.path."""
+    import sys
+
+    from areal_sdk.launcher import open_agent
+
+    (tmp_path / "openai").mkdir()  # named like the OpenAI SDK, and a namespace package
+    (tmp_path / "openai" / "agent.py").write_text(
+        "from .prompts import PREFIX\nfrom helpers import SUFFIX\n\n"
+        "def solve(task):\n    return PREFIX + task + SUFFIX\n"
+    )
+    (tmp_path / "openai" / "prompts.py").write_text("PREFIX = '<'\n")
+    (tmp_path / "helpers.py").write_text("SUFFIX = '>'\n")
+    cfg = load_config(None, ["agent.entry=openai.agent:solve"])
+    address, agent = open_agent(cfg, PluginHost(), search_path=[tmp_path])
+    try:
+        assert agent("x") == "<x>"  # outside a rollout the traced agent runs as written
+        assert sys.path[-1] == str(tmp_path)
+        import openai
+
+        assert hasattr(openai, "OpenAI")  # still the SDK
+        assert not agent.__module__.startswith("openai")
+    finally:
+        address.close()

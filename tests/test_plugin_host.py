@@ -241,3 +241,45 @@ def test_importing_the_package_loads_no_plugin():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
         == "False"
     )
+
+
+def test_a_plugin_whose_routing_fails_is_unusable_and_the_others_still_route(third_party):
+    import tp_good
+
+    from areal_sdk.hookspecs import hookimpl
+
+    class Shadowed:
+        """What an adapter meets when a user's ``agents.py`` hides its framework."""
+
+        removed = False
+
+        @hookimpl
+        def areal_install_routing(self, route):
+            from agents_shadowed_xyz.tracing import add_trace_processor  # noqa: F401
+
+        @hookimpl
+        def areal_remove_routing(self):
+            Shadowed.removed = True
+
+    host = PluginHost()
+    host.register(Shadowed(), "shadowed")
+    tp_good.EVENTS.clear()
+    host.install_routing(GatewayRoute("http://127.0.0.1:1234"))
+    assert tp_good.EVENTS == [("install", "http://127.0.0.1:1234/v1")]
+    status = records(host)["shadowed"].status
+    assert not status.usable
+    assert status.reason.startswith("routing failed: ModuleNotFoundError")
+    assert Shadowed.removed  # what it had installed is undone
+    host.remove_routing()
+    assert tp_good.EVENTS[-1] == ("remove",)
+
+
+def test_the_extra_for_a_missing_module():
+    from areal_sdk.plugin_host import extra_for_module
+
+    assert extra_for_module("agents.tracing") == "openai-agents"  # adapters' import names
+    assert extra_for_module("camel") == "camel"
+    assert extra_for_module("langchain") == "langchain"  # from areal-sdk's own metadata
+    assert extra_for_module("langchain_anthropic") == "langchain"
+    assert extra_for_module("deepspeed") == "deepspeed"
+    assert extra_for_module("no_such_package_xyz") is None

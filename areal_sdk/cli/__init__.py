@@ -54,4 +54,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        from areal_sdk.cli._common import fail, user_error_message
+
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        code = fail(message, code=1)
     sys.exit(code or 0)

@@ -26,20 +26,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 async def _rollout(cfg, config_dir: Path, run_id: str, progress, bar):  # type: ignore[no-untyped-def]
     from areal_sdk.evaluation import summarize
-    from areal_sdk.launcher import LocalStack
+    from areal_sdk.launcher import LocalStack, open_agent
     from areal_sdk.plugin_host import get_host
     from areal_sdk.rollout import RolloutController
     from areal_sdk.store import TrajectoryStore
-    from areal_sdk.tasks import load_agent, load_tasks
+    from areal_sdk.tasks import load_tasks
 
     tasks = load_tasks(cfg.data.path, id_field=cfg.data.id_field, limit=cfg.data.limit)
     progress.update(bar, total=len(tasks) * cfg.rollout.group_size)
     host = get_host()
-    store = TrajectoryStore(cfg.run.dir, run_id=run_id)
-    stack = LocalStack(cfg, store, host=host)
-    await asyncio.to_thread(stack.start)
+    # The agent first, before any model loads: a missing extra fails in seconds.
+    address, agent = open_agent(cfg, host, search_path=[config_dir, Path.cwd()])
     try:
-        agent = load_agent(cfg.agent.entry, search_path=[config_dir, Path.cwd()])
+        store = TrajectoryStore(cfg.run.dir, run_id=run_id)
+    except BaseException:
+        address.close()
+        raise
+    stack = LocalStack(cfg, store, host=host, address=address)
+    try:
+        await asyncio.to_thread(stack.start)
         sessions = stack.sessions(run_id)
         controller = RolloutController.from_config(cfg, agent, sessions, host=host)
         summary = await controller.run(tasks, progress=lambda _e: progress.advance(bar))
@@ -85,6 +90,14 @@ def rollout(args: argparse.Namespace) -> int:
     )
     console.print(f"reward {result}", highlight=False)
     for episode in summary.failed[:5]:
-        console.print(f"  failed {episode.id}: {episode.error}", highlight=False, soft_wrap=True)
-    console.print(f"stored in {cfg.run.dir} (run id {args.run_id!r})", highlight=False)
+        # Agents' errors are text: `areal-sdk[camel]` in one is not rich markup.
+        console.print(
+            f"  failed {episode.id}: {episode.error}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(
+        f"stored in {cfg.run.dir} (run id {args.run_id!r})", markup=False, highlight=False
+    )
     return 0

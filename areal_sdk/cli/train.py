@@ -59,6 +59,7 @@ async def _run_until_signalled(run: TrainingRun) -> RunResult:
 
 
 def train(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from areal_sdk.config import ConfigError, load_config
@@ -96,7 +97,7 @@ def train(args: argparse.Namespace) -> int:
             console.print(f"step {report.step}/{cfg.run.steps}  {stats}", highlight=False)
 
     def on_event(message: str) -> None:
-        progress.console.print(f"[dim]·[/] {message}", highlight=False)
+        progress.console.print(f"[dim]·[/] {escape(message)}", highlight=False)
 
     try:
         run = TrainingRun(
@@ -130,7 +131,9 @@ def train(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
         return 128 + signal.Signals[result.interrupted].value
-    console.print(f"[bold]run[/] {result.run_dir}  steps {result.steps}  version {result.version}")
+    console.print(
+        f"[bold]run[/] {escape(str(result.run_dir))}  steps {result.steps}  version {result.version}"
+    )
     if result.before is not None:
         console.print(f"held-out reward before: {result.before}", highlight=False)
     if result.after is not None:

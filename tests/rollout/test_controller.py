@@ -152,5 +152,5 @@ def test_load_tasks_and_agent(tmp_path):
     assert hasattr(fn, "__areal_trace__")  # undecorated agents are traced for the user
     with pytest.raises(TaskError, match="has no attribute 'nope'"):
         load_agent("my_agent:nope", search_path=tmp_path)
-    with pytest.raises(TaskError, match="cannot import agent module"):
+    with pytest.raises(TaskError, match="cannot find agent module"):
         load_agent("no_such_module_abc:f")
