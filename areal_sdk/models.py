@@ -269,6 +269,7 @@ def load_model(
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
                 f"{path} has no config.json; it is not a Hugging Face model directory"
+                + _checkpoint_hint(path)
             )
         kwargs = {}
         root = str(path)
@@ -277,6 +278,15 @@ def load_model(
     tok = AutoTokenizer.from_pretrained(tokenizer or root, **({} if tokenizer else kwargs))
     name = model if model in REGISTRY else path.stem if path.is_file() else path.name
     return LoadedModel(model=loaded, tokenizer=tok, path=path, name=name)
+
+
+def _checkpoint_hint(path: Path) -> str:
+    """Where the models are when ``path`` is a run directory or its ``checkpoints``."""
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted(root.glob("step-*/config.json"), key=lambda p: p.stat().st_mtime)
+    if not steps:
+        return ""
+    return f" (a run's trained models are its checkpoints, e.g. {steps[-1].parent})"
 
 
 def list_models() -> list[dict[str, str]]:
