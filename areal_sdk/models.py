@@ -247,6 +247,23 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
+def hf_dir_of(path: Path) -> Path:
+    """An HF directory for ``path``: a directory as is, a .gguf file converted once into
+    the cache (keyed by the file's path, size and modification time) for code that needs
+    safetensors and a tokenizer on disk, like the trainer and its checkpoints."""
+    import hashlib
+
+    if path.suffix != ".gguf":
+        return path
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    target = cache_dir() / "converted" / f"{path.stem}-{key.hexdigest()[:12]}"
+    if not (target / "config.json").is_file():
+        log.info("converting %s into %s", path, target)
+        convert_gguf(path, target)
+    return target
+
+
 def load_model(
     model: str, *, device: str = "cpu", dtype: str = "auto", tokenizer: str | None = None
 ) -> LoadedModel:

@@ -86,19 +86,15 @@ def use_bf16(requested: bool, device: torch.device) -> bool:
 
 def model_path_of(config: Config) -> str:
     """The local HF directory to train: ``model.path``, or ``model.name`` resolved through the
-    registry (the same converted directory the embedded engine serves)."""
-    from areal_sdk.models import resolve
+    registry (the same converted directory the embedded engine serves). A .gguf file is
+    converted once into the cache: the weights the engine reads from the file, and a
+    tokenizer and config on disk for the checkpoints."""
+    from areal_sdk.models import hf_dir_of, resolve
 
     source = config.model.path or config.model.name
     if source is None:
         raise ValueError("the train backend needs model.path or model.name")
-    path = resolve(source)
-    if path.suffix == ".gguf":
-        raise ValueError(
-            f"the train backend needs a Hugging Face directory, not a GGUF file ({path}); "
-            "use model.name for a registered model, or convert the file first"
-        )
-    return str(path)
+    return str(hf_dir_of(resolve(source)))
 
 
 class TorchBackend(TrainBackend):

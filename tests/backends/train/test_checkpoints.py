@@ -126,3 +126,35 @@ def test_optimizer_state_is_kept_for_the_newest_checkpoint_only(
     fresh = TorchBackend(tiny_model_dir, train_config())
     with pytest.raises(FileNotFoundError, match="no optimizer state"):
         fresh.load(tmp_path / "older")
+
+
+def test_a_run_from_a_gguf_file_checkpoints_a_model_directory(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF model source is converted once (through transformers) for the trainer; its
+    checkpoints carry the file's tokenizer, chat template and config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_sdk.config import Config
+    from areal_sdk.gguf_export import write_gguf
+
+    monkeypatch.setenv("AREAL_SDK_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf", dtype=torch.float32)
+    config = Config.model_validate({"model": {"path": str(gguf)}, "train": {"lr": 1e-2}})
+    backend = TorchBackend.from_config(config)
+    engine_side = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    ids = torch.tensor([FIXED_SEQUENCE])
+    with torch.no_grad():
+        logits = engine_side.eval()(ids).logits[0]
+    expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    got = backend.forward_logprobs([single(FIXED_SEQUENCE)])[0][1:]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    backend.train_step(micro_batches(40)[0], loss_fn())
+    backend.save(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert model.config.model_type == "qwen2"
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    assert tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    ).endswith("<|im_start|>assistant\n")
