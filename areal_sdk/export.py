@@ -49,6 +49,15 @@ def find_checkpoint(source: str | Path, step: int | None = None) -> Path:
     return latest.path
 
 
+def _check_model_dir(checkpoint: Path) -> Path:
+    if not (checkpoint / "config.json").is_file():
+        raise ExportError(
+            f"{checkpoint} holds no model directory (no config.json): it is a checkpoint of "
+            "an earlier areal-sdk; resume the run (--resume) and export its next checkpoint"
+        )
+    return checkpoint
+
+
 def export_run(
     source: str | Path,
     out: str | Path,
@@ -62,7 +71,7 @@ def export_run(
     else ``out/model.gguf``. Returns what was written."""
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
-    checkpoint = find_checkpoint(source, step)
+    checkpoint = _check_model_dir(find_checkpoint(source, step))
     out = Path(out)
     if fmt == "gguf":
         from areal_sdk.gguf_export import write_gguf

@@ -145,3 +145,8 @@ def test_export_errors_are_one_line(run_dir: Path, tmp_path: Path, capsys) -> No
     assert cli(str(run_dir), "-o", str(tmp_path / "taken")) != 0
     err = capsys.readouterr().err
     assert "already exists" in err and "Traceback" not in err
+    old = tmp_path / "old-run" / "checkpoints" / "step-1"  # before model directories
+    old.mkdir(parents=True)
+    (old / "trainer_state.json").write_text('{"step": 1, "version": 1}')
+    assert cli(str(tmp_path / "old-run"), "-o", str(tmp_path / "out")) != 0
+    assert "no model directory (no config.json)" in capsys.readouterr().err
