@@ -216,7 +216,7 @@ def load_causal_lm(root: str | Path, **kwargs: Any) -> Any:
             if names
         ]
         raise WeightMismatchError(
-            f"the weights in {root} do not fit its config.json ({model.config.model_type}): "
+            f"the weights in {root} do not fit its {model.config.model_type} config: "
             f"{'; '.join(parts)}"
         )
     return model
