@@ -80,7 +80,8 @@ def export_run(
         _refuse_to_overwrite(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".partial")
-        write_gguf(checkpoint, partial, dtype=DTYPES[dtype])
+        run_name = checkpoint.parent.parent.name  # RUN/checkpoints/step-N
+        write_gguf(checkpoint, partial, dtype=DTYPES[dtype], name=f"{run_name}-{checkpoint.name}")
         partial.replace(target)
         return target
     if fmt != "hf":

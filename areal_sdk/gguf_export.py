@@ -33,8 +33,11 @@ _SMOLLM_PRE = [
 ]
 
 
-def write_gguf(model_dir: Path, out: Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the model of ``model_dir`` (a checkpoint or any HF directory) to ``out``."""
+def write_gguf(
+    model_dir: Path, out: Path, *, dtype: torch.dtype = torch.bfloat16, name: str | None = None
+) -> Path:
+    """Write the model of ``model_dir`` (a checkpoint or any HF directory) to ``out``;
+    ``name`` is the file's ``general.name`` (default: the directory's name)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -43,7 +46,7 @@ def write_gguf(model_dir: Path, out: Path, *, dtype: torch.dtype = torch.bfloat1
     arch = getattr(gguf.MODEL_ARCH, arch_name)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    _write_hparams(writer, config, model_dir.name, dtype)
+    _write_hparams(writer, config, name or model_dir.name, dtype)
     _write_vocab(writer, tokenizer, model_dir, config.vocab_size)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -164,7 +167,16 @@ def _write_vocab(writer: Any, tokenizer: Any, model_dir: Path, vocab_size: int) 
     if not special.merges:
         raise ValueError(f"{model_dir} has no BPE merges in tokenizer.json or merges.txt")
     special.chat_template = tokenizer.chat_template
+    # Whether encoding adds BOS/EOS, as the tokenizer does it (llama.cpp's defaults differ).
+    ids = tokenizer("a")["input_ids"]
+    special.add_special_token["bos"] = (
+        tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id
+    )
+    special.add_special_token["eos"] = (
+        tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+    )
     special.add_to_gguf(writer, quiet=True)
+    writer.add_add_space_prefix(False)
 
 
 def _rotary_interleave(weight: torch.Tensor, heads: int) -> torch.Tensor:

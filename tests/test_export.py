@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from areal_sdk.backends.train.torch_backend import TorchBackend
+from gguf import GGUFReader
 
 from areal_sdk.checkpoints import Checkpoints, read_weights
 from areal_sdk.cli import main
@@ -94,6 +95,22 @@ def test_export_to_gguf_round_trips_through_transformers_gguf_loader(
         tmp_path, gguf_file="model.gguf", dtype=torch.float32
     )
     torch.testing.assert_close(logits(f32), logits(exact), atol=1e-5, rtol=0)
+
+    # What llama.cpp reads: architecture, tokenizer kind, types (checked against llama.cpp's
+    # own conversion of SmolLM2: same tensor names and shapes, tokens, types and merges).
+    reader = GGUFReader(tmp_path / "m.gguf")
+    fields = {key: reader.fields[key].contents() for key in reader.fields}
+    assert fields["general.architecture"] == "qwen2"
+    assert fields["general.name"] == f"{run_dir.name}-step-2"
+    # transformers reads a qwen2 directory's tokenizer with Qwen2's split regex.
+    assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+    assert (
+        fields["tokenizer.chat_template"] == AutoTokenizer.from_pretrained(checkpoint).chat_template
+    )
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == "BF16" and kinds["blk.0.attn_norm.weight"] == "F32"
+    assert "output.weight" not in kinds  # tied to token_embd, as llama.cpp expects
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     original = AutoTokenizer.from_pretrained(checkpoint)
