@@ -42,8 +42,9 @@ TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_DIR = "optimizer"
 SINGLE_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-# One shard per bucket of the backend's weights, as save_pretrained's default size.
-SHARD_BYTES = 5 << 30
+# One shard per bucket of the backend's weights: under ZeRO-3 every rank gathers one
+# bucket at a time, so this is also the extra memory a save takes.
+SHARD_BYTES = 2 << 30
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 KeepOptimizerState = Literal["latest", "all"]

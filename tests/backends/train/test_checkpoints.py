@@ -158,3 +158,23 @@ def test_a_run_from_a_gguf_file_checkpoints_a_model_directory(
     assert tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     ).endswith("<|im_start|>assistant\n")
+
+
+def test_a_large_model_is_written_in_shards_that_from_pretrained_joins(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from areal_sdk.checkpoints import WEIGHTS_INDEX, ModelFiles, read_weights, write_weights
+
+    backend = TorchBackend(tiny_model_dir, train_config())
+    dtype = write_weights(backend.state_for_sync(64 * 1024), tmp_path)
+    ModelFiles.from_source(tiny_model_dir).write(tmp_path, dtype)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert (tmp_path / WEIGHTS_INDEX).is_file() and not (tmp_path / "model.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    weights = read_weights(tmp_path)
+    for name, param in backend.named_parameters():
+        assert torch.equal(weights[name], param.detach()), name
+        assert torch.equal(model.get_parameter(name), param.detach()), name
