@@ -309,6 +309,9 @@ class RunConfig(Section):
     steps: int = Field(10, ge=0)
     checkpoint_every: int = Field(0, ge=0, description="0 saves only at the end")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept (the newest)")
+    keep_optimizer_state: Literal["latest", "all"] = Field(
+        "latest", description="optimizer state in the newest checkpoint only, or in all kept"
+    )
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"])
 
 

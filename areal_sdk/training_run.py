@@ -217,7 +217,11 @@ class TrainingRun:
         self.on_step = on_step
         self.on_event = on_event or (lambda message: log.info(message))
         self.run_dir = Path(cfg.run.dir)
-        self.checkpoints = Checkpoints(self.run_dir, keep=cfg.run.keep_checkpoints)
+        self.checkpoints = Checkpoints(
+            self.run_dir,
+            keep=cfg.run.keep_checkpoints,
+            keep_optimizer_state=cfg.run.keep_optimizer_state,
+        )
         self.store_path = self.run_dir / STORE_FILENAME
         self.stack: LocalStack | None = None  # set while running
         self.interrupted: str | None = None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_sdk import models
-from areal_sdk.models import ModelNotFoundError, load_model, resolve
+from areal_sdk.models import ModelNotFoundError, WeightMismatchError, load_model, resolve
 
 
 def test_load_local_dir_with_dtype_and_chat_template(tiny_model_dir: Path) -> None:
@@ -41,6 +41,40 @@ def test_missing_model_says_how_to_get_one(tmp_path: Path, monkeypatch: pytest.M
         resolve("smollm2-135m-instruct", pull=False)
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(str(tmp_path), dtype="float8")
+
+
+def test_weights_missing_or_unexpected_are_an_error_not_a_warning(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers would leave a missing weight random and ignore an unknown one, with a
+    warning table; a served or trained model must be the one on disk."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for name in ("missing", "unexpected"):
+        shutil.copytree(tiny_model_dir, tmp_path / name)
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if k != "model.norm.weight"},
+        tmp_path / "missing" / "model.safetensors",
+    )
+    save_file(
+        {**weights, "model.extra.weight": weights["model.norm.weight"].clone()},
+        tmp_path / "unexpected" / "model.safetensors",
+    )
+    with pytest.raises(WeightMismatchError, match=r"1 missing \(model\.norm\.weight\)"):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(WeightMismatchError, match=r"1 unexpected \(model\.extra\.weight\)"):
+        load_model(str(tmp_path / "unexpected"))
+
+
+def test_a_run_directory_points_to_its_checkpoints(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "run" / "checkpoints" / "step-3")
+    with pytest.raises(ModelNotFoundError, match=r"checkpoints, e\.g\. .*step-3"):
+        load_model(str(tmp_path / "run"))
 
 
 def test_cli_lists_registry_and_refuses_unknown_model(tmp_path: Path) -> None:

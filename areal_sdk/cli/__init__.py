@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "plugins",
     "config",
     "trajectories",
+    "export",
 )
 
 

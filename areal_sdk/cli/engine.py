@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from areal_sdk.models import ModelNotFoundError
+    from areal_sdk.models import ModelNotFoundError, WeightMismatchError
 
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
         return fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                     prefill_chunk=args.prefill_chunk,
                 ),
             )
-    except ModelNotFoundError as exc:
+    except (ModelNotFoundError, WeightMismatchError) as exc:
         return fail(str(exc))
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False

@@ -41,7 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="config overrides, e.g. inference.port=9000",
     )
     parser.add_argument(
-        "--model", help="local HF dir, .gguf file, or registry name (instead of CONFIG)"
+        "--model",
+        help=(
+            "local HF dir (a run's checkpoint runs/NAME/checkpoints/step-N is one), .gguf "
+            "file, or registry name (instead of CONFIG)"
+        ),
     )
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument(

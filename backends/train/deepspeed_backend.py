@@ -45,6 +45,7 @@ from areal_sdk.backends.train.torch_backend import (
     use_bf16,
 )
 
+from areal_sdk.checkpoints import OPTIMIZER_DIR, SHARD_BYTES, ModelFiles, write_weights
 from areal_sdk.config import TrainConfig
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
 
@@ -52,7 +53,10 @@ if TYPE_CHECKING:
     from areal_sdk.config import Config
     from areal_sdk.packing import MicroBatch
 
-CHECKPOINT_TAG = "deepspeed"
+# DeepSpeed writes its checkpoint (optimizer shards, fp32 master weights) into
+# ``<checkpoint>/<tag>``: under this tag that is the checkpoint's optimizer directory.
+CHECKPOINT_TAG = OPTIMIZER_DIR
+OLD_CHECKPOINT_TAG = "deepspeed"  # checkpoints of areal-sdk before model directories
 
 
 def _free_port() -> int:
@@ -134,6 +138,7 @@ class DeepSpeedBackend(TrainBackend):
         *,
         temperature: float = 1.0,
         initial_version: int = 0,
+        tokenizer_path: str | Path | None = None,
     ) -> None:
         self.cfg = train or TrainConfig(backend="deepspeed")
         device = torch.device(self.cfg.device)
@@ -142,6 +147,7 @@ class DeepSpeedBackend(TrainBackend):
         self._ds = import_deepspeed(device)
         init_distributed(self._ds, device)
         self.initial_version = initial_version
+        self.model_files = ModelFiles.from_source(model_path, tokenizer_path)
         model = load_policy(
             model_path,
             attn_implementation=self.cfg.attn_implementation,
@@ -171,7 +177,12 @@ class DeepSpeedBackend(TrainBackend):
     @classmethod
     def from_config(cls, config: Config) -> DeepSpeedBackend:
         """The factory registered as train backend ``deepspeed``."""
-        return cls(model_path_of(config), config.train, temperature=config.inference.temperature)
+        return cls(
+            model_path_of(config),
+            config.train,
+            temperature=config.inference.temperature,
+            tokenizer_path=config.model.tokenizer,
+        )
 
     # -- properties ------------------------------------------------------------------------
 
@@ -297,8 +308,16 @@ class DeepSpeedBackend(TrainBackend):
     # -- checkpoints -----------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
+        """An HF model directory of the gathered weights (rank 0 writes; in the module's
+        dtype, bfloat16 under ``train.bf16``), DeepSpeed's own checkpoint beside it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        buckets = self.state_for_sync(SHARD_BYTES)  # a collective: every rank iterates it
+        if self.rank == 0:
+            self.model_files.write(directory, write_weights(buckets, directory))
+        else:
+            for _ in buckets:
+                pass
         self.engine.save_checkpoint(
             str(directory), tag=CHECKPOINT_TAG, client_state={"step": self._step}, save_latest=False
         )
@@ -322,16 +341,20 @@ class DeepSpeedBackend(TrainBackend):
                 f"{directory} was saved by {meta.get('world_size')} ranks under ZeRO; "
                 f"this job has {self.world_size}: ZeRO optimizer shards must match"
             )
+        tag = CHECKPOINT_TAG if (directory / CHECKPOINT_TAG).is_dir() else OLD_CHECKPOINT_TAG
+        if not (directory / tag).is_dir():
+            raise FileNotFoundError(
+                f"{directory} holds the model but no optimizer state to resume from: "
+                "run.keep_optimizer_state: latest keeps it in the newest checkpoint only"
+            )
         path, _ = self.engine.load_checkpoint(
             str(directory),
-            tag=CHECKPOINT_TAG,
+            tag=tag,
             load_optimizer_states=True,
             load_lr_scheduler_states=False,
         )
         if path is None:
-            raise FileNotFoundError(
-                f"DeepSpeed found no checkpoint {CHECKPOINT_TAG!r} in {directory}"
-            )
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
         self._step = int(meta["step"])
         self.initial_version = int(meta.get("initial_version", 0))
 

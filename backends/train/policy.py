@@ -186,8 +186,9 @@ def load_policy(
     compile_layers: bool = False,
     varlen_kernel: str = "auto",
 ) -> PackedPolicy:
-    """Load a local HF directory as a ``PackedPolicy`` (never touches a hub)."""
-    from transformers import AutoModelForCausalLM
+    """Load a local HF directory as a ``PackedPolicy`` (never touches a hub); weights that
+    do not fit its config raise ``WeightMismatchError``."""
+    from areal_sdk.models import load_causal_lm
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -195,9 +196,7 @@ def load_policy(
     varlen = attn_implementation == varlen_attention.NAME
     if varlen:
         varlen_attention.register()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-    )
+    model = load_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation)
     model.config.use_cache = False
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with ZeRO-3 hooks and inputs without grad.
@@ -245,6 +244,30 @@ def compile_decoder_layers(model: nn.Module) -> int:
 def hf_name(name: str) -> str:
     """``policy.model.layers.0...`` -> ``model.layers.0...`` (the name in the HF checkpoint)."""
     return name.removeprefix(POLICY_PREFIX)
+
+
+@torch.no_grad()
+def assign_weights(
+    named: list[tuple[str, nn.Parameter]], weights: Mapping[str, torch.Tensor], source: Path
+) -> None:
+    """Copy ``weights`` (HF names) into the parameters ``named``, which must be exactly the
+    names the file holds: a checkpoint never half-loads."""
+    from areal_sdk.models import WeightMismatchError
+
+    expected = {name for name, _ in named}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise WeightMismatchError(
+            f"the weights in {source} do not fit this model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    for name, param in named:
+        if weights[name].shape != param.shape:
+            raise WeightMismatchError(
+                f"{source}: {name} has shape {tuple(weights[name].shape)}, the model "
+                f"{tuple(param.shape)}"
+            )
+        param.copy_(weights[name])
 
 
 def plan_buckets(sizes: Iterable[int], bucket_bytes: int) -> list[list[int]]:

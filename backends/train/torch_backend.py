@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from areal_sdk.backends.train.policy import (
+    assign_weights,
     hf_name,
     load_policy,
     merge_metrics,
@@ -28,6 +29,13 @@ from areal_sdk.backends.train.policy import (
     read_step_metrics,
 )
 
+from areal_sdk.checkpoints import (
+    OPTIMIZER_DIR,
+    SHARD_BYTES,
+    ModelFiles,
+    read_weights,
+    write_weights,
+)
 from areal_sdk.config import TrainConfig
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
 
@@ -38,6 +46,7 @@ if TYPE_CHECKING:
     from areal_sdk.packing import MicroBatch
 
 META_FILE = "train_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,19 +86,15 @@ def use_bf16(requested: bool, device: torch.device) -> bool:
 
 def model_path_of(config: Config) -> str:
     """The local HF directory to train: ``model.path``, or ``model.name`` resolved through the
-    registry (the same converted directory the embedded engine serves)."""
-    from areal_sdk.models import resolve
+    registry (the same converted directory the embedded engine serves). A .gguf file is
+    converted once into the cache: the weights the engine reads from the file, and a
+    tokenizer and config on disk for the checkpoints."""
+    from areal_sdk.models import hf_dir_of, resolve
 
     source = config.model.path or config.model.name
     if source is None:
         raise ValueError("the train backend needs model.path or model.name")
-    path = resolve(source)
-    if path.suffix == ".gguf":
-        raise ValueError(
-            f"the train backend needs a Hugging Face directory, not a GGUF file ({path}); "
-            "use model.name for a registered model, or convert the file first"
-        )
-    return str(path)
+    return str(hf_dir_of(resolve(source)))
 
 
 class TorchBackend(TrainBackend):
@@ -102,11 +107,14 @@ class TorchBackend(TrainBackend):
         *,
         temperature: float = 1.0,
         initial_version: int = 0,
+        tokenizer_path: str | Path | None = None,
     ) -> None:
         self.cfg = train or TrainConfig()
         self._device = resolve_device(self.cfg.device)
         self.bf16 = use_bf16(self.cfg.bf16, self._device)
         self.initial_version = initial_version
+        # What each checkpoint's model directory holds besides the weights.
+        self.model_files = ModelFiles.from_source(model_path, tokenizer_path)
         self.model = load_policy(
             model_path,
             attn_implementation=self.cfg.attn_implementation,
@@ -132,7 +140,12 @@ class TorchBackend(TrainBackend):
     @classmethod
     def from_config(cls, config: Config) -> TorchBackend:
         """The factory registered as train backend ``torch``."""
-        return cls(model_path_of(config), config.train, temperature=config.inference.temperature)
+        return cls(
+            model_path_of(config),
+            config.train,
+            temperature=config.inference.temperature,
+            tokenizer_path=config.model.tokenizer,
+        )
 
     # -- properties ------------------------------------------------------------------------
 
@@ -223,26 +236,41 @@ class TorchBackend(TrainBackend):
     # -- checkpoints -----------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        from safetensors.torch import save_model
-
+        """An HF model directory of the float32 weights, the optimizer state beside it."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_model(self.model, str(directory / "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        dtype = write_weights(self.state_for_sync(SHARD_BYTES), directory)
+        self.model_files.write(directory, dtype)
+        (directory / OPTIMIZER_DIR).mkdir(exist_ok=True)
+        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_DIR / OPTIMIZER_FILE)
         # Written last: a directory with this file holds a complete checkpoint.
         meta = {"backend": "torch", "step": self._step, "initial_version": self.initial_version}
         (directory / META_FILE).write_text(json.dumps(meta))
 
     def load(self, directory: str | Path) -> None:
-        from safetensors.torch import load_model
-
         directory = Path(directory)
         meta = read_meta(directory, "torch")
-        load_model(self.model, str(directory / "model.safetensors"), device=str(self._device))
-        state = torch.load(directory / "optimizer.pt", map_location=self._device, weights_only=True)
+        optimizer = directory / OPTIMIZER_DIR / OPTIMIZER_FILE
+        if (directory / "config.json").is_file():
+            assign_weights(self.named_parameters(), read_weights(directory), directory)
+        else:
+            optimizer = self._load_old_layout(directory)
+        if not optimizer.is_file():
+            raise FileNotFoundError(
+                f"{directory} holds the model but no optimizer state to resume from: "
+                "run.keep_optimizer_state: latest keeps it in the newest checkpoint only"
+            )
+        state = torch.load(optimizer, map_location=self._device, weights_only=True)
         self.optimizer.load_state_dict(state)
         self._step = int(meta["step"])
         self.initial_version = int(meta.get("initial_version", 0))
+
+    def _load_old_layout(self, directory: Path) -> Path:
+        """A checkpoint of areal-sdk before model directories: the wrapped model's tensors
+        (``policy.``-prefixed names) and ``optimizer.pt`` side by side."""
+        from safetensors.torch import load_model
+
+        load_model(self.model, str(directory / "model.safetensors"), device=str(self._device))
+        return directory / OPTIMIZER_FILE
 
 
 def read_meta(directory: Path, backend: str) -> dict[str, Any]:

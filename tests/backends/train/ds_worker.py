@@ -33,6 +33,11 @@ def run_rank(
         backend = DeepSpeedBackend(model_dir, cfg)
         losses = [backend.train_step(batches, loss_fn(k))["loss"] for k in range(2)]
         backend.save(ckpt)
+        checkpoint_state = {}
+        if rank == 0:
+            from areal_sdk.checkpoints import read_weights
+
+            checkpoint_state = {n: tuple(t.shape) for n, t in read_weights(ckpt).items()}
         losses += [backend.train_step(batches, loss_fn(k))["loss"] for k in range(2, 4)]
         state = {n: tuple(t.shape) for b in backend.state_for_sync(64 * 1024) for n, t in b}
         probe = backend.forward_logprobs([single(FIXED_SEQUENCE)])[0]
@@ -51,6 +56,7 @@ def run_rank(
                     "resumed_step": resumed_step,
                     "step": step,
                     "state": state,
+                    "checkpoint_state": checkpoint_state,
                     "probe": probe.tolist(),
                     "zero_stage": backend.zero_stage,
                 }

@@ -78,6 +78,12 @@ def test_deepspeed_matches_torch_and_resumes(
     torch.testing.assert_close(
         torch.tensor(got["probe"]), torch_reference["probe"], atol=1e-4, rtol=0
     )
+    # The checkpoint is a Hugging Face model directory of every weight, ZeRO-3 included.
+    assert got["checkpoint_state"] == torch_reference["state"]
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
     # Resuming from the step-2 checkpoint repeats steps 3 and 4 exactly.
     assert got["resumed_step"] == 2
     torch.testing.assert_close(got["resumed_losses"], got["losses"][2:], rtol=1e-6, atol=1e-8)
