@@ -15,6 +15,12 @@ name, the span chain, the workflow name, group id and trace id, and the tools (f
 spans) that ran since the previous model call, as ``x-areal-metadata``
 (``{"openai_agents": {...}}``). The processor stays registered after routing is removed
 (the SDK has no way to unregister one) but then does nothing.
+
+Trace export: the SDK's default exporter sends every trace to OpenAI's tracing backend (or,
+without ``OPENAI_API_KEY``, logs "skipping trace export" for each batch). A trace started
+inside an episode holds the episode's prompts and replies, which leave the machine only
+through an exporter the user turns on; the exporter drops those traces, and exports the
+others as before.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from areal_sdk.plugins import _routing
 
 from areal_sdk.hookspecs import AdapterInfo, GatewayRoute, PluginStatus, hookimpl
 from areal_sdk.plugin_host import status_for_modules
+from areal_sdk.tracing import current_episode
 
 NAME = "openai_agents"
 EXTRA = "openai-agents"
@@ -41,6 +48,19 @@ class _SpanBook:
         self._lock = threading.Lock()
         self.spans: dict[str, tuple[str, str | None, str | None]] = {}  # id -> type, name, parent
         self.tools: dict[str, list[str]] = {}
+        # Traces started inside an episode; kept after routing is removed, as the SDK
+        # exports batches later (at the latest when the process exits).
+        self.episode_traces: dict[str, None] = {}
+
+    def start_trace(self, trace_id: str) -> None:
+        with self._lock:
+            if len(self.episode_traces) >= _MAX_OPEN:
+                self.episode_traces.pop(next(iter(self.episode_traces)))
+            self.episode_traces[trace_id] = None
+
+    def exportable(self, items: list[Any]) -> list[Any]:
+        with self._lock:
+            return [i for i in items if getattr(i, "trace_id", None) not in self.episode_traces]
 
     def start(self, span: Any) -> None:
         data = span.span_data
@@ -95,7 +115,8 @@ def _make_processor() -> Any:
         """Keeps span names so model requests can say which agent made them."""
 
         def on_trace_start(self, trace: Any) -> None:
-            return None
+            if _book.active and current_episode() is not None:
+                _book.start_trace(trace.trace_id)
 
         def on_trace_end(self, trace: Any) -> None:
             if _book.active:
@@ -116,6 +137,24 @@ def _make_processor() -> Any:
             return None
 
     return AReaLTraceProcessor()
+
+
+def _keep_episode_traces_home() -> None:
+    """Make the SDK's default exporter leave out the traces of episodes (once per process)."""
+    from agents.tracing.processors import default_exporter
+
+    exporter = default_exporter()
+    export_all = exporter.export
+    if getattr(export_all, "keeps_episode_traces", False):
+        return
+
+    def export(items: list[Any]) -> None:
+        kept = _book.exportable(items)
+        if kept:
+            export_all(kept)
+
+    export.keeps_episode_traces = True  # type: ignore[attr-defined]
+    exporter.export = export  # the SDK's batch processor calls an instance's own export
 
 
 def _metadata() -> dict[str, Any] | None:
@@ -164,6 +203,7 @@ def areal_install_routing(route: GatewayRoute) -> None:
 
             _processor = _make_processor()
             add_trace_processor(_processor)
+            _keep_episode_traces_home()
         _book.active = True
         _http_clients.install()
     _routing.register_metadata_provider(NAME, _metadata)
