@@ -59,8 +59,9 @@ def resolve_max_model_len(asked: int | None, model_config: Any) -> int:
     if limit is not None and asked > limit:
         raise MaxModelLenError(
             f"max_model_len {asked} exceeds the model's {limit} positions "
-            f"(max_position_embeddings in its config.json); set inference.max_model_len to "
-            f"at most {limit}, or leave it out to use {min(limit, DEFAULT_MAX_MODEL_LEN)}"
+            f"(max_position_embeddings in its config.json); give at most {limit} "
+            f"(inference.max_model_len, --max-model-len), or leave it out to use "
+            f"{min(limit, DEFAULT_MAX_MODEL_LEN)}"
         )
     return asked
 
