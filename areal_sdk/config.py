@@ -108,7 +108,12 @@ class InferenceConfig(Section):
     backend: str = Field("embedded", description="a registered inference backend")
     device: str = "cpu"
     max_batch_size: int = Field(32, ge=1)
-    max_model_len: int = Field(4096, ge=16)
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="tokens per request, prompt and completion (default: the model's "
+        "max_position_embeddings, at most 4096; more than the model's is an error)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     urls: list[str] = Field(default_factory=list, description="attach to running SGLang servers")

@@ -31,6 +31,43 @@ import torch
 log = logging.getLogger(__name__)
 
 
+# The context a server gives by default when the model states no limit, and the most it gives
+# by default when it does: the embedded engine allocates every KV slot at this length.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class MaxModelLenError(ValueError):
+    """A context length (``max_model_len``) beyond the positions the model has."""
+
+
+def context_limit(model_config: Any) -> int | None:
+    """The positions the model has (``max_position_embeddings``), or None where unstated."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_max_model_len(asked: int | None, model_config: Any) -> int:
+    """The context to serve: ``asked``, or the model's limit (up to ``DEFAULT_MAX_MODEL_LEN``).
+
+    More than the model's limit is refused: positions past it were never trained, so the model
+    would be asked for text it cannot read, and the gateway would take prompts it should refuse.
+    """
+    limit = context_limit(model_config)
+    if asked is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN) if limit else DEFAULT_MAX_MODEL_LEN
+    if limit is not None and asked > limit:
+        raise MaxModelLenError(
+            f"max_model_len {asked} exceeds the model's {limit} positions "
+            f"(max_position_embeddings in its config.json); give at most {limit} "
+            f"(inference.max_model_len, --max-model-len), or leave it out to use "
+            f"{min(limit, DEFAULT_MAX_MODEL_LEN)}"
+        )
+    return asked
+
+
 class ModelNotFoundError(FileNotFoundError):
     """A model that is neither a local path nor a registered name; says how to get one."""
 

@@ -31,7 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-batch-size", type=int, default=32, help="KV slots (concurrent requests)"
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=4096, help="context per request, in tokens"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context per request, in tokens (default: the model's, at most 4096)",
     )
     parser.add_argument(
         "--prefill-chunk",
@@ -46,12 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from areal_sdk.models import ModelNotFoundError, WeightMismatchError
+    from areal_sdk.models import MaxModelLenError, ModelNotFoundError, WeightMismatchError
 
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
         return fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     chunk_ok = args.prefill_chunk is None or args.prefill_chunk >= 1
-    if args.max_batch_size < 1 or args.max_model_len < 16 or not chunk_ok:
+    len_ok = args.max_model_len is None or args.max_model_len >= 16
+    if args.max_batch_size < 1 or not len_ok or not chunk_ok:
         return fail("--max-batch-size and --prefill-chunk must be >= 1, --max-model-len >= 16")
     if args.device.startswith("cuda"):
         import torch
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                     prefill_chunk=args.prefill_chunk,
                 ),
             )
-    except (ModelNotFoundError, WeightMismatchError) as exc:
+    except (ModelNotFoundError, MaxModelLenError, WeightMismatchError) as exc:
         return fail(str(exc))
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False

@@ -58,7 +58,7 @@ def rollout(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from areal_sdk.config import ConfigError, load_config
-    from areal_sdk.models import ModelNotFoundError
+    from areal_sdk.models import MaxModelLenError, ModelNotFoundError
     from areal_sdk.tasks import TaskError
 
     try:
@@ -80,7 +80,7 @@ def rollout(args: argparse.Namespace) -> int:
             summary, result = asyncio.run(
                 _rollout(cfg, Path(args.config).resolve().parent, args.run_id, progress, bar)
             )
-    except (TaskError, ModelNotFoundError) as exc:
+    except (TaskError, ModelNotFoundError, MaxModelLenError) as exc:
         return fail(str(exc), code=1)
     tokens = sum(e.num_tokens for e in summary.episodes)
     console.print(

@@ -64,7 +64,7 @@ def train(args: argparse.Namespace) -> int:
 
     from areal_sdk.config import ConfigError, load_config
     from areal_sdk.evaluation import gain
-    from areal_sdk.models import ModelNotFoundError
+    from areal_sdk.models import MaxModelLenError, ModelNotFoundError
     from areal_sdk.tasks import TaskError
     from areal_sdk.trainer import StepReport, TrainingError
     from areal_sdk.training_run import RunError, TrainingRun
@@ -107,12 +107,12 @@ def train(args: argparse.Namespace) -> int:
             on_step=on_step,
             on_event=on_event,
         )
-    except (RunError, TaskError, ModelNotFoundError) as exc:
+    except (RunError, TaskError, ModelNotFoundError, MaxModelLenError) as exc:
         return fail(str(exc))
     try:
         with progress:
             result = asyncio.run(_run_until_signalled(run))
-    except (RunError, TaskError, ModelNotFoundError, TrainingError) as exc:
+    except (RunError, TaskError, ModelNotFoundError, MaxModelLenError, TrainingError) as exc:
         return fail(str(exc), code=1)
     except (KeyboardInterrupt, asyncio.CancelledError):
         kept = _kept(run.checkpoints.latest(), cfg.run.steps)

@@ -221,10 +221,16 @@ class Generator:
 
     # -- decoding --------------------------------------------------------------------------
 
+    def stop_ids(self, params: SamplingParams) -> set[int]:
+        """The tokens that end a completion: the model's end of turn and the request's own."""
+        return self.builder.end_ids | set(params.stop_token_ids)
+
     def decode(self, output: GenerateOutput, stops: list[str]) -> tuple[str, str | None]:
         """The completion's text as the client sees it, and the stop string that ended it."""
         ids = output.output_ids
-        if ids and ids[-1] in self.builder.end_ids:
+        # The token the engine stopped on is not text (OpenAI and Anthropic never show it).
+        stopped_on = output.matched_stop if isinstance(output.matched_stop, int) else None
+        if ids and (ids[-1] in self.builder.end_ids or ids[-1] == stopped_on):
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         matched: str | None = None

@@ -58,6 +58,7 @@ class LiveText:
 
     gen: Generator
     stops: list[str]
+    stop_ids: set[int]  # tokens that end the completion: never text (``Generator.decode``)
     parse_tools: bool
     thinking: bool  # the prompt opened a <think> block for the model
     ids: list[int] = field(default_factory=list)
@@ -65,7 +66,10 @@ class LiveText:
     content: str = ""
 
     def _visible(self) -> str:
-        text = self.gen.tokenizer.decode(self.ids, skip_special_tokens=False)
+        # A stop token ends the completion, so only the last id can be one; it is held back
+        # until a later token shows that it did not end it (``ignore_eos``).
+        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
+        text = self.gen.tokenizer.decode(ids, skip_special_tokens=False)
         text = text.rstrip("\ufffd")  # an unfinished UTF-8 character
         cut = len(text)
         for stop in self.stops:
@@ -145,8 +149,10 @@ class ChatStream:
         self.gen = gen
         self.call = call
         n = call.params.n
+        stop_ids = gen.stop_ids(call.params)
         self.texts = [
-            LiveText(gen, call.params.stop, call.parse_tools, call.thinking) for _ in range(n)
+            LiveText(gen, call.params.stop, stop_ids, call.parse_tools, call.thinking)
+            for _ in range(n)
         ]
         self.sampled: list[GenerateOutput] = [
             GenerateOutput(output_ids=[], logprobs=[], versions=[], finish_reason="abort")

@@ -50,6 +50,7 @@ from areal_sdk.inference import (
     SamplingParams,
     WeightSource,
 )
+from areal_sdk.models import resolve_max_model_len
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class EngineConfig:
     """
 
     max_batch_size: int = 32
-    max_model_len: int = 4096
+    # None: the model's max_position_embeddings, at most 4096; more than the model's is refused.
+    max_model_len: int | None = None
     # None: 2048 on CPU (a 16 x 128-token prompt batch in one compute-bound step), 512 on
     # CUDA (long prefill steps run outside the decode graphs and hold decoding rows back).
     prefill_chunk: int | None = None
@@ -121,7 +123,10 @@ class EmbeddedEngine(InferenceBackend):
         model_path: str | None = None,
         version: int = 0,
     ) -> None:
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
+        max_len = resolve_max_model_len(config.max_model_len, getattr(model, "config", None))
+        self.config = dataclasses.replace(config, max_model_len=max_len)
+        self._max_model_len = max_len
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -129,7 +134,7 @@ class EmbeddedEngine(InferenceBackend):
         self.runner = ModelRunner(
             model,
             num_slots=self.config.max_batch_size,
-            max_len=self.config.max_model_len,
+            max_len=max_len,
             cuda_graphs=self.config.cuda_graphs,
             packed_prefill=self.config.packed_prefill,
             packed_weights=self.config.packed_weights,
@@ -198,7 +203,7 @@ class EmbeddedEngine(InferenceBackend):
 
     @property
     def max_model_len(self) -> int:
-        return self.config.max_model_len
+        return self._max_model_len
 
     @property
     def num_running(self) -> int:
@@ -259,7 +264,7 @@ class EmbeddedEngine(InferenceBackend):
             raise EngineInputError(
                 f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})"
             )
-        limit = self.config.max_model_len
+        limit = self._max_model_len
         if len(input_ids) >= limit:
             raise EngineInputError(
                 f"the prompt has {len(input_ids)} tokens; the context holds {limit} (max_model_len)"

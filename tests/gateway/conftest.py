@@ -111,3 +111,25 @@ def tool_engine(
 @pytest.fixture
 def tool_gateway(tool_engine: EmbeddedEngine, tmp_path: Path) -> Iterator[Gateway]:
     yield from serve(tool_engine, tmp_path, max_model_len=1024, default_max_tokens=64)
+
+
+@pytest.fixture(scope="session")
+def reply_engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EmbeddedEngine]:
+    """The tiny model fitted to answer and stop on its EOS (tests/gateway/reply_model.py)."""
+    from tests.gateway.reply_model import fit_reply_model
+
+    path = fit_reply_model(tiny_model_dir, tmp_path_factory.mktemp("reply-model"))
+    eng = EmbeddedEngine.from_pretrained(
+        str(path), config=EngineConfig(max_batch_size=4, max_model_len=256)
+    )
+    yield eng
+    import asyncio
+
+    asyncio.run(eng.close())
+
+
+@pytest.fixture
+def reply_gateway(reply_engine: EmbeddedEngine, tmp_path: Path) -> Iterator[Gateway]:
+    yield from serve(reply_engine, tmp_path, default_max_tokens=32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -222,3 +223,24 @@ def test_remove_routing_leaves_the_processor_inert(gateway):
     host.remove_routing()
     assert not openai_agents._book.active
     assert "openai_agents" not in _routing._metadata_providers
+
+
+@one_loop
+async def test_episode_traces_are_not_exported(host, scope, gateway, caplog):
+    """The SDK's default exporter would send an episode's trace to OpenAI, or without a key
+    print "OPENAI_API_KEY is not set, skipping trace export" for every batch."""
+    from agents.tracing import flush_traces
+
+    helper = Agent(name="Helper", instructions="Be brief.")
+
+    @areal.trace
+    async def agent(task):
+        return str((await Runner.run(helper, "hi")).final_output)
+
+    flush_traces()  # what other tests left queued, traces outside episodes among them
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="openai.agents"):
+        with rollout_scope(scope):
+            assert await agent({}) == "[gateway] hi"
+        flush_traces()
+    assert "skipping trace export" not in caplog.text
