@@ -168,7 +168,7 @@ def test_a_resumed_run_never_reuses_the_version_of_weights_lost_with_the_process
     """The newest checkpoint is lost (as if the process died before writing it): version 3
     sampled tokens, then died. The resumed run trains nothing on them and gives its own
     weights new numbers, so version 3 names one set of weights only."""
-    config = run_config(run={"checkpoint_every": 1})
+    config = run_config(run={"checkpoint_every": 1, "keep_optimizer_state": "all"})
     cfg = load_config(config)
     asyncio.run(TrainingRun(cfg, config_dir=config.parent).run())
     shutil.rmtree(Checkpoints(cfg.run.dir).latest().path)  # step 3, version 3
