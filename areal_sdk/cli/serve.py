@@ -1,10 +1,12 @@
 """``areal-sdk serve``: the inference engine and the gateway, for agents run by hand.
 
 ``areal-sdk serve --model MODEL [--port P]`` starts the embedded engine in this process and
-the gateway in front of it; ``areal-sdk serve CONFIG [key=value ...]`` takes the model, the
-inference section and the run directory from a config. It prints the base URL and the admin
-key (taken from ``AREAL_SDK_ADMIN_TOKEN`` when set, else generated). Episodes ended through
-``/rl/sessions/{id}/end`` are stored in the run directory's trajectory store.
+the gateway in front of it; ``areal-sdk serve CONFIG [key=value ...]`` takes the model and the
+inference section from a config. It prints the base URL and the admin key (taken from
+``AREAL_SDK_ADMIN_TOKEN`` when set, else generated). Episodes ended through
+``/rl/sessions/{id}/end`` are stored under the run id ``serve`` in serve's own run directory,
+``--run-dir`` (default ``runs/serve``): never in the config's ``run.dir``, which belongs to a
+training run. See docs/serve.md.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import argparse
 import os
 import secrets
 import sys
+from pathlib import Path
 
 from areal_sdk.cli._common import fail
 
 ADMIN_ENV = "AREAL_SDK_ADMIN_TOKEN"
 ADMIN_ENV_ALIASES = ("AREAL_ADMIN_KEY",)
 DEFAULT_PORT = 8321
+DEFAULT_RUN_DIR = "runs/serve"
+SERVE_RUN_ID = "serve"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,7 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--run-dir",
         default=None,
-        help="where ended episodes are stored (default runs/serve, or run.dir)",
+        help=f"where ended episodes are stored (default {DEFAULT_RUN_DIR}; a config's "
+        "run.dir is a training run's and is not used)",
     )
     parser.set_defaults(func=run)
 
@@ -97,13 +103,12 @@ def _settings(args: argparse.Namespace):
         "inference.max_model_len": args.max_model_len,
         "inference.max_batch_size": args.max_batch_size,
         "inference.tool_parser": args.tool_parser,
-        "run.dir": args.run_dir,
+        # Serve's own directory: a training run's store only when the user names it.
+        "run.dir": args.run_dir or DEFAULT_RUN_DIR,
     }
     if args.model is not None:
         cfg.model.name = None
         flags["inference.port"] = DEFAULT_PORT if args.port is None else args.port
-        if args.run_dir is None and args.config is None:
-            flags["run.dir"] = "runs/serve"
     elif args.port is not None:
         flags["inference.port"] = args.port
     for key, value in flags.items():
@@ -141,6 +146,30 @@ def _backend(cfg):
     )
 
 
+def _record_config(cfg) -> str | None:
+    """Write the served config into the run directory, so ``trajectories export`` decodes the
+    episodes with this model's tokenizer; keep one that is there. Returns a note when the
+    kept one names another model."""
+    from areal_sdk.trajectory_export import RUN_CONFIG_FILENAME, model_of_run
+
+    served = cfg.model_copy(deep=True)
+    for field in ("path", "tokenizer"):  # a --model path relative to this cwd, made absolute
+        value = getattr(served.model, field)
+        if value and Path(value).exists():
+            setattr(served.model, field, str(Path(value).resolve()))
+    source = served.model.tokenizer or served.model.path or served.model.name
+    run_dir = Path(cfg.run.dir)
+    recorded = model_of_run(run_dir)
+    if not (run_dir / RUN_CONFIG_FILENAME).exists():
+        (run_dir / RUN_CONFIG_FILENAME).write_text(served.to_yaml())
+    elif recorded != source:
+        return (
+            f"note:      {run_dir / RUN_CONFIG_FILENAME} names the model {recorded!r}; "
+            "exports decode with its tokenizer"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from areal_sdk.config import ConfigError
 
@@ -160,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFoundError, ValueError, OSError) as exc:
         return fail(str(exc))
     admin, source = _admin_token()
-    store = TrajectoryStore(cfg.run.dir)
+    try:
+        store = TrajectoryStore(cfg.run.dir, run_id=SERVE_RUN_ID)
+        note = _record_config(cfg)
+    except OSError as exc:
+        return fail(f"cannot use {cfg.run.dir} as the run directory: {exc}")
     try:
         app = create_app(
             backend,
@@ -185,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"gateway:   {base}   (OpenAI base_url {base}/v1, Anthropic base_url {base})")
     print(f"admin key: {admin if source is None else f'(from ${source})'}")
     print(f"episodes:  {store.path}")
+    if note:
+        print(note)
     print(f"new episode: curl -X POST {base}/rl/sessions -H 'Authorization: Bearer <admin key>'")
     sys.stdout.flush()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
