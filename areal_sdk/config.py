@@ -420,9 +420,18 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+# What a run reads: relative to the config file, so a config runs from any directory. What a
+# run writes (run.dir, weights.dir) stays relative to the current directory, like any
+# command's output; agent.entry's module is looked up beside the config file first.
+_INPUT_PATHS = (("data", "path"), ("data", "eval_path"), ("model", "path"), ("model", "tokenizer"))
+
+
 def _resolve_relative_paths(cfg: Config, base: Path) -> None:
-    """Data paths in a config file are relative to the file, so examples run from anywhere."""
-    for section, key in (("data", "path"), ("data", "eval_path")):
+    """Input paths in a config file are relative to the file, so examples run from anywhere.
+
+    A path that exists only relative to the current directory is kept as it is.
+    """
+    for section, key in _INPUT_PATHS:
         obj = getattr(cfg, section)
         value = getattr(obj, key)
         if value and not Path(value).is_absolute():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -67,10 +68,28 @@ def _resolve_entry(entry: str, search_path: SearchPath) -> tuple[str, str, list[
     return module_name, attr, paths
 
 
+def _forget_shadowing(module_name: str, paths: list[Path]) -> None:
+    """Drop an earlier import of the same top-level name from another place (another
+    example's ``agent``), so the import finds the module in ``paths``."""
+    top = module_name.partition(".")[0]
+    loaded = sys.modules.get(top)
+    if loaded is None:
+        return
+    for path in paths:
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(path)])
+        if spec is None:
+            continue
+        if spec.origin != getattr(loaded, "__file__", None):
+            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[name]
+        return
+
+
 def load_agent(entry: str, *, search_path: SearchPath = None) -> Callable[..., Any]:
     """Import ``package.module:function``, looking in ``search_path`` (a directory or several,
     first wins) before ``sys.path``. An undecorated function is traced for the user."""
-    module_name, attr, _ = _resolve_entry(entry, search_path)
+    module_name, attr, paths = _resolve_entry(entry, search_path)
+    _forget_shadowing(module_name, paths)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
