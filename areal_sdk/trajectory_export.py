@@ -21,9 +21,12 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from areal_sdk.config import Config
 
 RUN_CONFIG_FILENAME = "config.yaml"
 PARQUET_DATA_FILE = Path("data") / "train-00000-of-00001.parquet"
@@ -47,6 +50,29 @@ def model_of_run(run_dir: Path) -> str | None:
     except (yaml.YAMLError, AttributeError) as exc:
         raise ExportError(f"cannot read {config}: {exc}") from None
     return model.get("tokenizer") or model.get("path") or model.get("name")
+
+
+def record_run_config(cfg: Config) -> str | None:
+    """Write ``cfg`` into its run directory, so an export decodes the run's ids with its
+    model's tokenizer; keep a config that is there (a training run's). Returns a note when
+    the kept one names another model."""
+    recorded = cfg.model_copy(deep=True)
+    for field in ("path", "tokenizer"):  # paths relative to this cwd, made absolute
+        value = getattr(recorded.model, field)
+        if value and Path(value).exists():
+            setattr(recorded.model, field, str(Path(value).resolve()))
+    model = recorded.model
+    source = model.tokenizer or model.path or model.name
+    run_dir = Path(cfg.run.dir)
+    path = run_dir / RUN_CONFIG_FILENAME
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(recorded.to_yaml())
+        return None
+    kept = model_of_run(run_dir)
+    if kept != source:
+        return f"{path} names the model {kept!r}; exports of {run_dir} decode with its tokenizer"
+    return None
 
 
 def load_tokenizer(source: str) -> Any:

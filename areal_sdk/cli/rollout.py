@@ -31,11 +31,13 @@ async def _rollout(cfg, config_dir: Path, run_id: str, progress, bar):  # type: 
     from areal_sdk.rollout import RolloutController
     from areal_sdk.store import TrajectoryStore
     from areal_sdk.tasks import load_agent, load_tasks
+    from areal_sdk.trajectory_export import record_run_config
 
     tasks = load_tasks(cfg.data.path, id_field=cfg.data.id_field, limit=cfg.data.limit)
     progress.update(bar, total=len(tasks) * cfg.rollout.group_size)
     host = get_host()
     store = TrajectoryStore(cfg.run.dir, run_id=run_id)
+    record_run_config(cfg)  # so `trajectories export` decodes with the run's tokenizer
     stack = LocalStack(cfg, store, host=host)
     await asyncio.to_thread(stack.start)
     try:

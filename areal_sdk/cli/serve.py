@@ -15,7 +15,6 @@ import argparse
 import os
 import secrets
 import sys
-from pathlib import Path
 
 from areal_sdk.cli._common import fail
 
@@ -146,30 +145,6 @@ def _backend(cfg):
     )
 
 
-def _record_config(cfg) -> str | None:
-    """Write the served config into the run directory, so ``trajectories export`` decodes the
-    episodes with this model's tokenizer; keep one that is there. Returns a note when the
-    kept one names another model."""
-    from areal_sdk.trajectory_export import RUN_CONFIG_FILENAME, model_of_run
-
-    served = cfg.model_copy(deep=True)
-    for field in ("path", "tokenizer"):  # a --model path relative to this cwd, made absolute
-        value = getattr(served.model, field)
-        if value and Path(value).exists():
-            setattr(served.model, field, str(Path(value).resolve()))
-    source = served.model.tokenizer or served.model.path or served.model.name
-    run_dir = Path(cfg.run.dir)
-    recorded = model_of_run(run_dir)
-    if not (run_dir / RUN_CONFIG_FILENAME).exists():
-        (run_dir / RUN_CONFIG_FILENAME).write_text(served.to_yaml())
-    elif recorded != source:
-        return (
-            f"note:      {run_dir / RUN_CONFIG_FILENAME} names the model {recorded!r}; "
-            "exports decode with its tokenizer"
-        )
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     from areal_sdk.config import ConfigError
 
@@ -183,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_sdk.models import ModelNotFoundError
     from areal_sdk.server_thread import bind_tcp
     from areal_sdk.store import TrajectoryStore
+    from areal_sdk.trajectory_export import record_run_config
 
     try:
         backend = _backend(cfg)
@@ -191,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     admin, source = _admin_token()
     try:
         store = TrajectoryStore(cfg.run.dir, run_id=SERVE_RUN_ID)
-        note = _record_config(cfg)
+        note = record_run_config(cfg)
     except OSError as exc:
         return fail(f"cannot use {cfg.run.dir} as the run directory: {exc}")
     try:
@@ -219,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"admin key: {admin if source is None else f'(from ${source})'}")
     print(f"episodes:  {store.path}")
     if note:
-        print(note)
+        print(f"note:      {note}")
     print(f"new episode: curl -X POST {base}/rl/sessions -H 'Authorization: Bearer <admin key>'")
     sys.stdout.flush()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
