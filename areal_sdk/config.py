@@ -50,7 +50,9 @@ class AgentConfig(Section):
     """The user's agent: a ``@areal.trace`` function and the keyword arguments it gets."""
 
     entry: str | None = Field(
-        None, description="module:function, e.g. examples.quickstart.agent:solve"
+        None,
+        description="module:function, e.g. agent:solve (the module is looked up beside the "
+        "config file first)",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict)
     reward: str | None = Field(
