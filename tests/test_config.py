@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -153,7 +154,16 @@ def test_an_example_rolls_out_from_another_directory(tiny_model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "2 episodes" in proc.stdout
-    assert (tmp_path / "runs" / "example-openai_sdk" / "trajectories.db").is_file()
+    run_dir = tmp_path / "runs" / "example-openai_sdk"  # run.dir: relative to the cwd
+    exported = subprocess.run(
+        [sys.executable, "-m", "areal_sdk", "trajectories", "export", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    episodes = [json.loads(line) for line in exported.stdout.splitlines()]
+    assert len(episodes) == 2  # decoded with the tokenizer the rollout recorded
+    assert all("<|im_start|>user" in e["turns"][0]["prompt_text"] for e in episodes)
 
 
 def test_yaml_round_trip():
