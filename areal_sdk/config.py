@@ -431,12 +431,14 @@ _INPUT_PATHS = (("data", "path"), ("data", "eval_path"), ("model", "path"), ("mo
 def _resolve_relative_paths(cfg: Config, base: Path) -> None:
     """Input paths in a config file are relative to the file, so examples run from anywhere.
 
-    A path that exists only relative to the current directory is kept as it is.
+    A path that exists only relative to the current directory (an override typed there) is
+    taken from there. Either way it becomes absolute, so the copy of the config that a run
+    directory keeps still points at it from anywhere.
     """
     for section, key in _INPUT_PATHS:
         obj = getattr(cfg, section)
         value = getattr(obj, key)
         if value and not Path(value).is_absolute():
             candidate = (base / value).resolve()
-            if candidate.exists() or not Path(value).exists():
-                setattr(obj, key, str(candidate))
+            here = Path(value).resolve()
+            setattr(obj, key, str(here if here.exists() and not candidate.exists() else candidate))

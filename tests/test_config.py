@@ -110,6 +110,9 @@ def test_input_paths_follow_the_config_file_and_outputs_the_current_directory(
     assert cfg.model.path == str(tmp_path / "proj" / "model")
     assert cfg.model.tokenizer == str(tmp_path / "tok")  # missing: named where it was looked for
     assert (cfg.run.dir, cfg.weights.dir) == ("runs/x", "w")
+    (tmp_path / "typed-here").mkdir()
+    cfg = load_config(path, ["model.path=typed-here"])  # an override, relative to the cwd
+    assert cfg.model.path == str(tmp_path / "typed-here")
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
