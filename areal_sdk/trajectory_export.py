@@ -87,10 +87,11 @@ def load_tokenizer(source: str) -> Any:
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(path))
     except (ModelNotFoundError, OSError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ExportError(
-            f"cannot load the tokenizer of {source!r} to decode the turns: {exc}\n"
-            "pass --tokenizer MODEL (a model directory, .gguf file or registry name), "
-            "or --no-text to export ids only"
+            f"cannot load the tokenizer of {source!r} to decode the turns ({reason}); pass "
+            "--tokenizer MODEL (a model directory, .gguf file or registry name), or --no-text "
+            "to export ids only"
         ) from None
 
 

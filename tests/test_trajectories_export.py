@@ -182,3 +182,27 @@ def test_a_run_without_config_exports_ids_and_says_how_to_get_text(plain_run):
     assert proc.returncode == 0
     assert json.loads(proc.stdout)["task_id"] == "a"
     assert "pass --tokenizer MODEL" in proc.stderr
+
+
+def test_a_model_that_cannot_be_loaded_says_how_to_export_anyway(plain_run, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from areal_sdk.trajectory import Turn
+
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)("What is 2 + 3?")["input_ids"]
+    with TrajectoryStore(plain_run / "moved") as store:
+        turn = Turn(api="openai.chat", prompt_ids=ids, completion_ids=[], logprobs=[], versions=[])
+        store.append(Episode(task_id="b", turns=[turn]))
+    (plain_run / "moved" / "config.yaml").write_text("model:\n  path: /nowhere/model\n")
+    run = str(plain_run / "moved")
+
+    proc = cli("trajectories", "export", run)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "'/nowhere/model'" in proc.stderr and "--tokenizer MODEL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    text = cli("trajectories", "export", run, "--tokenizer", str(tiny_model_dir))
+    assert json.loads(text.stdout)["turns"][0]["prompt_text"] == "What is 2 + 3?"
+    ids_only = cli("trajectories", "export", run, "--no-text")
+    assert "prompt_text" not in json.loads(ids_only.stdout)["turns"][0]
