@@ -158,6 +158,7 @@ def plain_run(tmp_path: Path) -> Path:
         (["{t}/run", "--format", "parquet"], "give -o FILE.parquet or -o DIR"),
         (["{t}/nope"], "no trajectory store: {t}/nope does not exist"),
         (["{t}/a-file"], "{t}/a-file is not a trajectory store"),
+        (["{t}/[bold]/run"], "{t}/[bold]/run does not exist"),  # printed as it is
     ],
     ids=[
         "missing-folder",
@@ -167,6 +168,7 @@ def plain_run(tmp_path: Path) -> Path:
         "parquet-to-stdout",
         "missing-run",
         "not-a-store",
+        "brackets-in-the-path",
     ],
 )
 def test_export_errors_are_one_line_and_exit_1(plain_run, args, message):

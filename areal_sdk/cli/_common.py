@@ -36,7 +36,8 @@ def show_progress_messages() -> None:
 
 def fail(message: str, code: int = 2) -> int:
     """Print an error the way every command does, and return the exit code."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: a path or a reason may hold brackets that rich would read as markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.stderr.flush()
     return code
 
