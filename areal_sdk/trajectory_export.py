@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -47,9 +47,9 @@ def model_of_run(run_dir: Path) -> str | None:
         return None
     try:
         model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
+        return model.get("tokenizer") or model.get("path") or model.get("name")
     except (yaml.YAMLError, AttributeError) as exc:
-        raise ExportError(f"cannot read {config}: {exc}") from None
-    return model.get("tokenizer") or model.get("path") or model.get("name")
+        raise ExportError(f"cannot read the model from {config}: {exc}") from None
 
 
 def record_run_config(cfg: Config) -> str | None:
@@ -121,11 +121,9 @@ def check_output(path: Path, fmt: str) -> Path:
                 "the .parquet suffix writes a dataset directory)"
             )
         target = path / PARQUET_DATA_FILE
-        folder = path.parent
-    else:
-        if path.is_dir():
-            raise ExportError(f"{path} is a directory; give a file name")
-        folder = path.parent
+    elif path.is_dir():
+        raise ExportError(f"{path} is a directory; give a file name")
+    folder = path.parent
     if not folder.exists():
         raise ExportError(f"cannot write {path}: the folder {folder} does not exist")
     if not folder.is_dir():
@@ -135,7 +133,7 @@ def check_output(path: Path, fmt: str) -> Path:
     return target
 
 
-def write_atomically(target: Path, write: Any) -> int:
+def write_atomically(target: Path, write: Callable[[Path], int]) -> int:
     """Run ``write(partial_path)`` and move its file into place, so a failed export leaves
     no half-written file behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
