@@ -50,7 +50,9 @@ class AgentConfig(Section):
     """The user's agent: a ``@areal.trace`` function and the keyword arguments it gets."""
 
     entry: str | None = Field(
-        None, description="module:function, e.g. examples.quickstart.agent:solve"
+        None,
+        description="module:function, e.g. agent:solve (the module is looked up beside the "
+        "config file first)",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict)
     reward: str | None = Field(
@@ -433,12 +435,23 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+# What a run reads: relative to the config file, so a config runs from any directory. What a
+# run writes (run.dir, weights.dir) stays relative to the current directory, like any
+# command's output; agent.entry's module is looked up beside the config file first.
+_INPUT_PATHS = (("data", "path"), ("data", "eval_path"), ("model", "path"), ("model", "tokenizer"))
+
+
 def _resolve_relative_paths(cfg: Config, base: Path) -> None:
-    """Data paths in a config file are relative to the file, so examples run from anywhere."""
-    for section, key in (("data", "path"), ("data", "eval_path")):
+    """Input paths in a config file are relative to the file, so examples run from anywhere.
+
+    A path that exists only relative to the current directory (an override typed there) is
+    taken from there. Either way it becomes absolute, so the copy of the config that a run
+    directory keeps still points at it from anywhere.
+    """
+    for section, key in _INPUT_PATHS:
         obj = getattr(cfg, section)
         value = getattr(obj, key)
         if value and not Path(value).is_absolute():
             candidate = (base / value).resolve()
-            if candidate.exists() or not Path(value).exists():
-                setattr(obj, key, str(candidate))
+            here = Path(value).resolve()
+            setattr(obj, key, str(here if here.exists() and not candidate.exists() else candidate))

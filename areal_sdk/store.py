@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
@@ -83,6 +83,42 @@ class TrajectoryStore:
             self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:  # not SQLite, or another program's database
             raise StoreError(f"cannot open the trajectory store {path}: {exc}") from None
+
+    @classmethod
+    def open_existing(cls, path: str | Path) -> TrajectoryStore:
+        """Open a store that must already exist (a run directory or its ``.db`` file), read-only.
+
+        Creates nothing: a missing path or a file that is not a trajectory store raises
+        ``StoreError`` saying which.
+        """
+        path = Path(path)
+        db = path / STORE_FILENAME if path.is_dir() else path
+        if not db.is_file():
+            where = (
+                f"{path} holds no {STORE_FILENAME}" if path.is_dir() else f"{path} does not exist"
+            )
+            raise StoreError(f"no trajectory store: {where}")
+        store = cls.__new__(cls)
+        store.path = db
+        store.run_id = "default"
+        store._lock = threading.Lock()
+        try:
+            store._db = sqlite3.connect(
+                db.resolve().as_uri() + "?mode=ro",
+                uri=True,
+                check_same_thread=False,
+                isolation_level=None,
+            )
+            store._db.execute("PRAGMA busy_timeout=30000")
+            found = store._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='episodes'"
+            ).fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{db} is not a trajectory store ({exc})") from None
+        if found is None:
+            store._db.close()
+            raise StoreError(f"{db} is not a trajectory store (it has no episodes table)")
+        return store
 
     def close(self) -> None:
         with self._lock:
@@ -306,8 +342,9 @@ class TrajectoryStore:
 
     # -- export ----------------------------------------------------------------------------
 
-    def export_jsonl(self, out: IO[str], **filters: object) -> int:
-        """Write one episode per line (the ``Episode`` JSON plus ``run_id``); returns the count."""
+    def records(self, **filters: object) -> Iterator[dict[str, Any]]:
+        """Matching episodes as plain dicts (the ``Episode`` JSON plus ``run_id`` and
+        ``consumed_step``), oldest first."""
         where, args = self._where(**filters)  # type: ignore[arg-type]
         with self._lock:
             rows = self._db.execute(
@@ -317,5 +354,12 @@ class TrajectoryStore:
             record = json.loads(body)
             record["run_id"] = run_id
             record["consumed_step"] = consumed_step
+            yield record
+
+    def export_jsonl(self, out: IO[str], **filters: object) -> int:
+        """Write one episode per line (the ``Episode`` JSON plus ``run_id``); returns the count."""
+        n = 0
+        for record in self.records(**filters):
             out.write(json.dumps(record) + "\n")
-        return len(rows)
+            n += 1
+        return n

@@ -321,7 +321,11 @@ class TrainingRun:
         controller = self._controller(
             agent, stack, run_id, group_size=self.cfg.eval.samples, agent_kwargs=kwargs
         )
-        self.on_event(f"evaluating the {label} policy on {len(self.eval_tasks)} held-out tasks")
+        tasks, samples = len(self.eval_tasks), self.cfg.eval.samples
+        self.on_event(
+            f"evaluating the {label} policy: {tasks} held-out tasks x {samples} "
+            f"sample{'s' if samples != 1 else ''} = {tasks * samples} episodes"
+        )
         assert self._stop is not None
         result = await unless_stopped(
             evaluate(controller, self.eval_tasks, version=version), self._stop

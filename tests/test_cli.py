@@ -94,7 +94,7 @@ def test_trajectories_export(tmp_path):
     assert "wrote 1 episodes" in proc.stderr
     assert json.loads(out.read_text())["task_id"] == "a"
     missing = cli("trajectories", "export", str(tmp_path / "nope"), check=False)
-    assert missing.returncode == 2 and "no trajectory store" in missing.stderr
+    assert missing.returncode == 1 and "no trajectory store" in missing.stderr
 
 
 CAMEL_AGENT = """

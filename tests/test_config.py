@@ -1,3 +1,8 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from areal_sdk.config import Config, ConfigError, load_config, parse_override
@@ -90,6 +95,78 @@ def test_data_paths_are_relative_to_the_config_file(tmp_path):
     (tmp_path / "sub" / "tasks.jsonl").write_text("{}\n")
     path = write(tmp_path / "sub", "data:\n  path: tasks.jsonl\n")
     assert load_config(path).data.path == str((tmp_path / "sub" / "tasks.jsonl").resolve())
+
+
+def test_input_paths_follow_the_config_file_and_outputs_the_current_directory(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "proj" / "model").mkdir(parents=True)
+    path = write(
+        tmp_path / "proj",
+        "model:\n  path: model\n  tokenizer: ../tok\nrun:\n  dir: runs/x\nweights:\n  dir: w\n",
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path)
+    assert cfg.model.path == str(tmp_path / "proj" / "model")
+    assert cfg.model.tokenizer == str(tmp_path / "tok")  # missing: named where it was looked for
+    assert (cfg.run.dir, cfg.weights.dir) == ("runs/x", "w")
+    (tmp_path / "typed-here").mkdir()
+    cfg = load_config(path, ["model.path=typed-here"])  # an override, relative to the cwd
+    assert cfg.model.path == str(tmp_path / "typed-here")
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize(
+    "config", sorted(EXAMPLES.glob("*/config.yaml")), ids=lambda p: p.parent.name
+)
+def test_example_configs_find_their_data_and_agent_from_another_directory(
+    config, tmp_path, monkeypatch
+):
+    from areal_sdk.tasks import check_agent_entry
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(config)
+    for data in (cfg.data.path, cfg.data.eval_path):
+        if data is not None and "shared/data" not in data:  # GSM8K lives outside the repo
+            assert Path(data).is_file(), data
+    check_agent_entry(cfg.agent.entry, search_path=[config.parent, Path.cwd()])
+    assert (config.parent / (cfg.agent.entry.split(":")[0] + ".py")).is_file()
+
+
+@pytest.mark.slow
+def test_an_example_rolls_out_from_another_directory(tiny_model_dir, tmp_path):
+    """The CLI as a user runs it, from a directory that is not the repository."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_sdk",
+            "rollout",
+            str(EXAMPLES / "openai_sdk" / "config.yaml"),
+            "model.name=null",
+            f"model.path={tiny_model_dir}",
+            "data.limit=2",
+            "inference.max_new_tokens=4",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "2 episodes" in proc.stdout
+    run_dir = tmp_path / "runs" / "example-openai_sdk"  # run.dir: relative to the cwd
+    exported = subprocess.run(
+        [sys.executable, "-m", "areal_sdk", "trajectories", "export", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    episodes = [json.loads(line) for line in exported.stdout.splitlines()]
+    assert len(episodes) == 2  # decoded with the tokenizer the rollout recorded
+    assert all("<|im_start|>user" in e["turns"][0]["prompt_text"] for e in episodes)
 
 
 def test_yaml_round_trip():

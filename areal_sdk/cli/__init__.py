@@ -51,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if getattr(args, "func", None) is None:
         parser.print_help()
         sys.exit(2 if args.command is None else 0)
+    from areal_sdk.cli._common import show_progress_messages
+
+    show_progress_messages()
     try:
         code = args.func(args)
     except KeyboardInterrupt:

@@ -31,6 +31,7 @@ async def _rollout(cfg, config_dir: Path, run_id: str, progress, bar):  # type: 
     from areal_sdk.rollout import RolloutController
     from areal_sdk.store import TrajectoryStore
     from areal_sdk.tasks import load_tasks
+    from areal_sdk.trajectory_export import record_run_config
 
     tasks = load_tasks(cfg.data.path, id_field=cfg.data.id_field, limit=cfg.data.limit)
     progress.update(bar, total=len(tasks) * cfg.rollout.group_size)
@@ -39,6 +40,7 @@ async def _rollout(cfg, config_dir: Path, run_id: str, progress, bar):  # type: 
     address, agent = open_agent(cfg, host, search_path=[config_dir, Path.cwd()])
     try:
         store = TrajectoryStore(cfg.run.dir, run_id=run_id)
+        record_run_config(cfg)  # so `trajectories export` decodes with the run's tokenizer
     except BaseException:
         address.close()
         raise

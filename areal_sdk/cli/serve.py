@@ -1,10 +1,12 @@
 """``areal-sdk serve``: the inference engine and the gateway, for agents run by hand.
 
 ``areal-sdk serve --model MODEL [--port P]`` starts the embedded engine in this process and
-the gateway in front of it; ``areal-sdk serve CONFIG [key=value ...]`` takes the model, the
-inference section and the run directory from a config. It prints the base URL and the admin
-key (taken from ``AREAL_SDK_ADMIN_TOKEN`` when set, else generated). Episodes ended through
-``/rl/sessions/{id}/end`` are stored in the run directory's trajectory store.
+the gateway in front of it; ``areal-sdk serve CONFIG [key=value ...]`` takes the model and the
+inference section from a config. It prints the base URL and the admin key (taken from
+``AREAL_SDK_ADMIN_TOKEN`` when set, else generated). Episodes ended through
+``/rl/sessions/{id}/end`` are stored under the run id ``serve`` in serve's own run directory,
+``--run-dir`` (default ``runs/serve``): never in the config's ``run.dir``, which belongs to a
+training run. See docs/serve.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from areal_sdk.cli._common import fail
 ADMIN_ENV = "AREAL_SDK_ADMIN_TOKEN"
 ADMIN_ENV_ALIASES = ("AREAL_ADMIN_KEY",)
 DEFAULT_PORT = 8321
+DEFAULT_RUN_DIR = "runs/serve"
+SERVE_RUN_ID = "serve"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -70,7 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--run-dir",
         default=None,
-        help="where ended episodes are stored (default runs/serve, or run.dir)",
+        help=f"where ended episodes are stored (default {DEFAULT_RUN_DIR}; a config's "
+        "run.dir is a training run's and is not used)",
     )
     parser.set_defaults(func=run)
 
@@ -101,13 +106,12 @@ def _settings(args: argparse.Namespace):
         "inference.max_model_len": args.max_model_len,
         "inference.max_batch_size": args.max_batch_size,
         "inference.tool_parser": args.tool_parser,
-        "run.dir": args.run_dir,
+        # Serve's own directory: a training run's store only when the user names it.
+        "run.dir": args.run_dir or DEFAULT_RUN_DIR,
     }
     if args.model is not None:
         cfg.model.name = None
         flags["inference.port"] = DEFAULT_PORT if args.port is None else args.port
-        if args.run_dir is None and args.config is None:
-            flags["run.dir"] = "runs/serve"
     elif args.port is not None:
         flags["inference.port"] = args.port
     for key, value in flags.items():
@@ -158,13 +162,18 @@ def run(args: argparse.Namespace) -> int:
     from areal_sdk.models import ModelNotFoundError
     from areal_sdk.server_thread import bind_tcp
     from areal_sdk.store import TrajectoryStore
+    from areal_sdk.trajectory_export import record_run_config
 
     try:
         backend = _backend(cfg)
     except (ModelNotFoundError, ValueError, OSError) as exc:
         return fail(str(exc))
     admin, source = _admin_token()
-    store = TrajectoryStore(cfg.run.dir)
+    try:
+        store = TrajectoryStore(cfg.run.dir, run_id=SERVE_RUN_ID)
+        note = record_run_config(cfg)
+    except OSError as exc:
+        return fail(f"cannot use {cfg.run.dir} as the run directory: {exc}")
     try:
         app = create_app(
             backend,
@@ -189,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"gateway:   {base}   (OpenAI base_url {base}/v1, Anthropic base_url {base})")
     print(f"admin key: {admin if source is None else f'(from ${source})'}")
     print(f"episodes:  {store.path}")
+    if note:
+        print(f"note:      {note}")
     print(f"new episode: curl -X POST {base}/rl/sessions -H 'Authorization: Bearer <admin key>'")
     sys.stdout.flush()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))

@@ -1,4 +1,4 @@
-"""``areal-sdk trajectories export RUN_DIR --format jsonl [-o FILE]``."""
+"""``areal-sdk trajectories export RUN_DIR [--format jsonl|parquet] [-o OUT]``."""
 
 from __future__ import annotations
 
@@ -14,30 +14,79 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="trajectories_command", metavar="ACTION", required=True)
     export = actions.add_parser(
         "export",
-        help="write a run's episodes as JSON lines",
-        description="Export the episodes stored in RUN_DIR (or a .db file), one JSON per line.",
+        help="write a run's episodes as JSON lines or Parquet, with each turn's text",
+        description=(
+            "Export the episodes stored in RUN_DIR (or a .db file): one per JSON line, or one "
+            "per Parquet row. Each turn keeps its token ids and gains prompt_text and "
+            "completion_text, decoded with the tokenizer of the model in RUN_DIR/config.yaml."
+        ),
     )
     export.add_argument("run_dir", help="a run directory, or its trajectories.db")
-    export.add_argument("--format", choices=["jsonl"], default="jsonl")
-    export.add_argument("-o", "--output", help="file to write (default: standard output)")
+    export.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    export.add_argument(
+        "-o",
+        "--output",
+        help="file to write (default: standard output, jsonl only); for parquet, a path "
+        "without the .parquet suffix becomes a Hugging Face dataset directory",
+    )
     export.add_argument("--status", choices=["ok", "failed", "truncated"], help="only this status")
     export.add_argument("--run-id", help="only episodes of this run id")
+    export.add_argument(
+        "--tokenizer",
+        metavar="MODEL",
+        help="decode with this model's tokenizer (a directory, .gguf file or registry name) "
+        "instead of the run's",
+    )
+    export.add_argument("--no-text", action="store_true", help="export ids only, decode nothing")
     export.set_defaults(func=export_trajectories)
 
 
 def export_trajectories(args: argparse.Namespace) -> int:
-    from areal_sdk.store import STORE_FILENAME, TrajectoryStore
+    from areal_sdk.store import StoreError, TrajectoryStore
+    from areal_sdk.trajectory_export import (
+        ExportError,
+        check_output,
+        load_tokenizer,
+        model_of_run,
+        with_text,
+        write_atomically,
+        write_jsonl,
+        write_parquet,
+    )
 
-    source = Path(args.run_dir)
-    db = source / STORE_FILENAME if source.is_dir() else source
-    if not db.is_file():
-        return fail(f"no trajectory store at {db} (a run directory holds {STORE_FILENAME})")
     filters = {"status": args.status, "run_id": args.run_id}
-    with TrajectoryStore(db) as store:
-        if args.output:
-            with open(args.output, "w") as out:
-                n = store.export_jsonl(out, **filters)
-            err_console.print(f"wrote {n} episodes to {args.output}")
-        else:
-            n = store.export_jsonl(sys.stdout, **filters)
+    try:
+        if args.format == "parquet" and not args.output:
+            raise ExportError("--format parquet writes a file: give -o FILE.parquet or -o DIR")
+        target = check_output(Path(args.output), args.format) if args.output else None
+        with TrajectoryStore.open_existing(args.run_dir) as store:
+            records = store.records(**filters)
+            if not args.no_text:
+                source = args.tokenizer or model_of_run(Path(store.path).parent)
+                if source is None:
+                    err_console.print(
+                        f"note: no {Path(store.path).parent / 'config.yaml'} names the run's "
+                        "model, so turns carry ids only; pass --tokenizer MODEL for their text",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                else:
+                    records = with_text(records, load_tokenizer(source))
+            if target is None:
+                count = write_jsonl(records, sys.stdout)
+            elif args.format == "parquet":
+                count = write_atomically(target, lambda path: write_parquet(records, path))
+            else:
+
+                def to_jsonl(path: Path) -> int:
+                    with path.open("w") as out:
+                        return write_jsonl(records, out)
+
+                count = write_atomically(target, to_jsonl)
+    except (StoreError, ExportError) as exc:
+        return fail(str(exc), code=1)
+    except OSError as exc:
+        return fail(f"cannot write {args.output}: {exc.strerror or exc}", code=1)
+    if args.output:
+        err_console.print(f"wrote {count} episodes to {args.output}", highlight=False)
     return 0

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("areal_sdk.progress")  # shown by the CLI
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "sample.cpp", _CSRC / "layer_ops.cpp"]
@@ -47,7 +48,10 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("loading the engine's CPU kernels (built once per machine, ~20 s the first time)")
+        progress.info(
+            "loading the engine's CPU kernels (the first time on a machine they are compiled, "
+            "about 20 s; cached after)"
+        )
         load(
             name=_build_name(),
             sources=[str(s) for s in _SOURCES],

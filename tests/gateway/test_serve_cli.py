@@ -34,8 +34,10 @@ def test_flags_and_config_resolve(tmp_path):
         cfg.inference.port,
         cfg.inference.max_model_len,
         cfg.inference.host,
-        cfg.run.dir,
-    ) == ("/x", 7000, 512, "0.0.0.0", "/r")
+    ) == ("/x", 7000, 512, "0.0.0.0")
+    assert cfg.run.dir == "runs/serve"  # the config's run.dir is a training run's
+    cfg = _settings(parser.parse_args(["serve", str(config), "--run-dir", "/r"]))
+    assert cfg.run.dir == "/r"
     with pytest.raises(ValueError):
         _settings(parser.parse_args(["serve"]))
 

@@ -48,7 +48,7 @@ def _host() -> PluginHost:
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_example_config_is_valid(example):
     cfg = load_config(REPO / "examples" / example / "config.yaml")
-    assert cfg.agent.entry == f"examples.{example}.agent:solve"
+    assert cfg.agent.entry == "agent:solve"  # agent.py beside the config
     assert cfg.agent.reward == "numeric_match"
     assert (REPO / cfg.data.path).is_file()
     assert cfg.inference.device == "cpu"
@@ -59,7 +59,7 @@ def test_example_runs_end_to_end_on_cpu(example, tiny_model_dir, tmp_path, monke
     module, api = EXAMPLES[example]
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} not installed (see docs/extras.md)")
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(tmp_path)  # a config runs from any directory
     cfg = load_config(
         REPO / "examples" / example / "config.yaml",
         [
@@ -69,12 +69,13 @@ def test_example_runs_end_to_end_on_cpu(example, tiny_model_dir, tmp_path, monke
             "inference.max_new_tokens=16",
         ],
     )
-    store = TrajectoryStore(tmp_path)
+    store = TrajectoryStore(tmp_path / "run")
     host = _host()
     reward = host.reward_function(cfg.agent.reward)
     with launcher.LocalStack(cfg, store, host=host) as stack:
-        agent = load_agent(cfg.agent.entry, search_path=REPO)  # after routing, as the CLI does
-        tasks = load_tasks(REPO / cfg.data.path, limit=cfg.data.limit)
+        # After routing, and beside the config first, as the CLI does.
+        agent = load_agent(cfg.agent.entry, search_path=REPO / "examples" / example)
+        tasks = load_tasks(cfg.data.path, limit=cfg.data.limit)
         sessions = stack.sessions(example)
         controller = RolloutController(
             agent,

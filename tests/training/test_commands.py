@@ -25,6 +25,8 @@ def test_train_runs_evaluates_and_refuses_to_overwrite(run_config):
     assert done.returncode == 0, done.stderr + done.stdout
     assert "held-out reward before:" in done.stdout and "held-out reward after:" in done.stdout
     assert "gain:" in done.stdout and "step 2/2" in done.stdout
+    assert "4 held-out tasks x 1 sample = 4 episodes" in done.stdout
+    assert "(standard error, 4 episodes, 0 failed)" in done.stdout
     run_dir = config.parent / "run"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run_dir / "eval.json").read_text())["after"]["episodes"] == 4
