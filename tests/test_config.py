@@ -124,14 +124,11 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_example_configs_find_their_data_and_agent_from_another_directory(
     config, tmp_path, monkeypatch
 ):
-    from areal_sdk.tasks import check_agent_entry
-
     monkeypatch.chdir(tmp_path)
     cfg = load_config(config)
     for data in (cfg.data.path, cfg.data.eval_path):
         if data is not None and "shared/data" not in data:  # GSM8K lives outside the repo
             assert Path(data).is_file(), data
-    check_agent_entry(cfg.agent.entry, search_path=[config.parent, Path.cwd()])
     assert (config.parent / (cfg.agent.entry.split(":")[0] + ".py")).is_file()
 
 
