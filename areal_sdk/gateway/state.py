@@ -31,6 +31,9 @@ M = TypeVar("M", bound=BaseModel)
 
 # Turn metadata a client sends with a call (plugins/_routing.py sets it from framework hooks).
 METADATA_HEADER = "x-areal-metadata"
+# Deeper JSON is refused: no API request needs it, and Python's own parser, encoder and
+# templates recurse on it (a few hundred levels already break some of them).
+MAX_JSON_DEPTH = 100
 
 
 @dataclass
@@ -112,13 +115,59 @@ async def in_call(gw: Gateway, caller: Caller) -> AsyncIterator[None]:
         gw.sessions.end_call(caller.session)
 
 
+def _unservable(value: Any) -> str | None:
+    """Why parsed JSON cannot be served (None if it can): a string with a lone UTF-16
+    surrogate (valid JSON escapes, but no text a tokenizer or the store can encode), or
+    nesting deeper than ``MAX_JSON_DEPTH``. Walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii() and not _encodable(node):
+                return "a string holds a lone UTF-16 surrogate (like \\ud800), which is not text"
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return f"it is nested more than {MAX_JSON_DEPTH} levels deep"
+        if isinstance(node, dict):
+            stack.extend((key, depth) for key in node)
+            node = node.values()
+        stack.extend((item, depth + 1) for item in node)
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def loads_checked(raw: str | bytes) -> Any:
+    """``json.loads`` that also refuses JSON the gateway cannot serve; raises ``ValueError``."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    why = _unservable(value)
+    if why is not None:
+        raise ValueError(why)
+    return value
+
+
 async def read_json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = loads_checked(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GatewayError(
             400, "We could not parse the JSON body of your request.", code="invalid_json"
+        ) from exc
+    except ValueError as exc:
+        raise GatewayError(
+            400, f"We could not use the JSON body of your request: {exc}.", code="invalid_json"
         ) from exc
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -189,11 +238,18 @@ def call_metadata(request: Request) -> dict[str, Any]:
     if raw is None or not raw.strip():
         return {}
     try:
-        value = json.loads(raw)
+        value = loads_checked(raw)
     except json.JSONDecodeError as exc:
         raise GatewayError(
             400,
             f"The {METADATA_HEADER} header is not valid JSON: {exc.msg}.",
+            param=METADATA_HEADER,
+            code="invalid_metadata",
+        ) from exc
+    except ValueError as exc:
+        raise GatewayError(
+            400,
+            f"The {METADATA_HEADER} header cannot be used: {exc}.",
             param=METADATA_HEADER,
             code="invalid_metadata",
         ) from exc
