@@ -96,6 +96,10 @@ class InProcessSessions:
         async def finish() -> None:
             session = sessions.by_id(ep.id)
             if session is None:
+                if sessions.ended(ep.id) is not None:
+                    # The agent ended it (/rl/sessions/{id}/end) or it expired idle: what was
+                    # stored then stands, and is read back below.
+                    return
                 raise SessionError(404, f"no open session for episode {ep.id}")
             for turn_id, value in ctx.turn_rewards.items():
                 try:

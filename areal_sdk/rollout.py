@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import math
 import statistics
 import time
@@ -26,6 +27,8 @@ from areal_sdk.trajectory import Episode, EpisodeStatus
 if TYPE_CHECKING:
     from areal_sdk.config import Config
     from areal_sdk.plugin_host import PluginHost
+
+logger = logging.getLogger(__name__)
 
 
 class SessionClient(Protocol):
@@ -261,7 +264,13 @@ class RolloutController:
             )
             result, error = await self._call_agent(task, ctx)
             self._finalize(ctx, task, result, error)
-            stored = await self.sessions.end(ctx)
+            try:
+                stored = await self.sessions.end(ctx)
+            except Exception as exc:  # fail this episode alone: its group must still finish
+                logger.warning("episode %s could not be ended: %s", episode.id, exc)
+                episode.status = EpisodeStatus.FAILED
+                episode.error = f"could not end the episode ({type(exc).__name__}: {exc})"[:500]
+                stored = episode
         if self.on_episode is not None:
             maybe = self.on_episode(stored)
             if asyncio.iscoroutine(maybe):
