@@ -45,7 +45,7 @@ def cli(*args: object) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "areal_sdk", *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=240,  # a stalled run fails here rather than hanging
     )
 
 
