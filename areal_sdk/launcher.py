@@ -164,6 +164,7 @@ class LocalStack:
             model_name=self.cfg.model.served_name,
             tool_parser=self.cfg.inference.tool_parser,
             default_max_tokens=self.cfg.inference.max_new_tokens,
+            session_idle_timeout_s=self.cfg.inference.session_idle_timeout_s,
             host=self.host,
         )
         self._gateway_state = app.state.gateway
