@@ -71,7 +71,7 @@ def _session_for(request: Request, episode_id: str) -> Session | EndedSession:
         raise GatewayError(
             401, "this route needs the admin token or the session's key", code="invalid_api_key"
         )
-    mine = gw.sessions.by_key(key) or gw.sessions.ended_by_key(key)
+    mine = gw.sessions.owner_of(key)
     if mine is None:
         raise GatewayError(401, "the key is unknown", code="invalid_api_key")
     if found is None or mine is not found:

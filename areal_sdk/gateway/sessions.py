@@ -157,7 +157,11 @@ class SessionManager:
         """The outcome of a session that has ended (among the last ``MAX_ENDED_REMEMBERED``)."""
         return self._ended.get(episode_id)
 
-    def ended_by_key(self, key: str) -> EndedSession | None:
+    def owner_of(self, key: str) -> Session | EndedSession | None:
+        """The session a key belongs to, whether open, being ended, or ended."""
+        session = self._by_key.get(key)
+        if session is not None:
+            return session
         episode_id = self._ended_keys.get(key)
         return None if episode_id is None else self._ended.get(episode_id)
 

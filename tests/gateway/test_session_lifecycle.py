@@ -128,3 +128,28 @@ def test_a_session_nobody_ends_expires_and_is_stored_as_failed(engine, tmp_path)
             'areal_gateway_sessions_total{event="expired"} 1.0'
             in httpx.get(gw.base_url + "/metrics").text
         )
+
+
+def test_ends_that_race_all_answer_the_stored_outcome(gateway):
+    import asyncio
+
+    episode_id, key = gateway.open_session()
+    call(gateway, key)
+
+    async def end_thrice() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gateway.base_url) as http:
+            return await asyncio.gather(
+                *(
+                    http.post(
+                        f"/rl/sessions/{episode_id}/end",
+                        json={"reward": float(i)},
+                        headers={"Authorization": f"Bearer {key}"},
+                    )
+                    for i in range(3)
+                )
+            )
+
+    answers = asyncio.run(end_thrice())
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert len({r.text for r in answers}) == 1  # one outcome, the one stored
+    assert gateway.store.get(episode_id).reward == answers[0].json()["reward"]
