@@ -226,17 +226,21 @@ class SessionManager:
         session.settled.clear()
         try:
             await session.idle.wait()
-            episode = session.episode
-            episode.status = status
-            if reward is not None:
-                episode.reward = reward
-            if error is not None:
-                episode.error = error
-            if metadata:
-                episode.metadata.update(metadata)
-            episode.ended = time.time()
+            # The outcome goes on a copy, so that an end that is not acknowledged changes
+            # nothing (the turns list is shared: calls have stopped).
+            episode = session.episode.model_copy(
+                update={
+                    "status": status,
+                    "reward": session.episode.reward if reward is None else reward,
+                    "error": session.episode.error if error is None else error,
+                    "metadata": {**session.episode.metadata, **(metadata or {})},
+                    "ended": time.time(),
+                }
+            )
             if self.sink is not None:
-                await self._store(session)
+                result = await asyncio.to_thread(self.sink.append, episode)
+                if inspect.isawaitable(result):
+                    await result
         except DuplicateEpisodeError as exc:  # no retry can store it: close the session
             self._close(session)
             raise SessionError(
@@ -247,16 +251,12 @@ class SessionManager:
             raise
         finally:
             session.settled.set()
+        session.episode = episode
         self._close(session)
         self.metrics.sessions.labels("ended").inc()
         if self.host is not None:
             self.host.episode_ended(episode)
         return episode
-
-    async def _store(self, session: Session) -> None:
-        result = await asyncio.to_thread(self.sink.append, session.episode)  # type: ignore[union-attr]
-        if inspect.isawaitable(result):
-            await result
 
     def _close(self, session: Session) -> None:
         session.state = "ended"

@@ -153,3 +153,35 @@ def test_ends_that_race_all_answer_the_stored_outcome(gateway):
     assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
     assert len({r.text for r in answers}) == 1  # one outcome, the one stored
     assert gateway.store.get(episode_id).reward == answers[0].json()["reward"]
+
+
+def test_an_end_the_store_refuses_changes_nothing(engine, tmp_path):
+    from areal_sdk.gateway import create_app
+    from areal_sdk.server_thread import ServerThread
+    from areal_sdk.store import TrajectoryStore
+    from tests.gateway.conftest import Gateway, gateway_host
+
+    class BusyOnce:
+        def __init__(self, store: TrajectoryStore) -> None:
+            self.store, self.calls = store, 0
+
+        def append(self, episode) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError("disk busy")
+            self.store.append(episode)
+
+    store = TrajectoryStore(tmp_path)
+    app = create_app(engine, admin_token=ADMIN, episode_sink=BusyOnce(store), host=gateway_host())
+    with ServerThread(app, name="gateway") as server:
+        gw = Gateway(server.url, ADMIN, store, app)
+        episode_id, key = gw.open_session()
+        r = post(gw, f"/rl/sessions/{episode_id}/end", b'{"status": "failed", "reward": 1}', key)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        episode = gw.episode(episode_id)
+        assert episode["status"] == "ok" and episode["reward"] is None and episode["ended"] is None
+        call(gw, key)  # not acknowledged: the session goes on
+        assert post(gw, f"/rl/sessions/{episode_id}/end", b"{}", key).status_code == 200
+    stored = store.get(episode_id)
+    assert stored.status == "ok" and stored.reward is None and len(stored.turns) == 1
+    store.close()
