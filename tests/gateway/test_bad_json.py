@@ -68,3 +68,30 @@ def test_a_lone_surrogate_in_turn_metadata_is_a_400(gateway):
         headers={"Authorization": f"Bearer {key}", "x-areal-metadata": r'{"tag": "\ud800"}'},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-areal-metadata"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "status"),
+    [
+        (r'{"a": "\ud800"}', 200),
+        ("[" * 150 + "]" * 150, 200),
+        ("[" * 100_000 + "]" * 100_000, 400),  # past Python's parser: too long for the model
+    ],
+)
+def test_tool_call_arguments_that_are_no_usable_json_are_kept_as_text(gateway, arguments, status):
+    """Arguments are a string to the API: when their JSON is unusable the template gets the
+    text as the client sent it, as it does for arguments that are not JSON at all."""
+    episode_id, key = gateway.open_session()
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    r = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json={"model": "m", "max_tokens": 2, "messages": messages},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == status, r.text
+    assert len(gateway.episode(episode_id)["turns"]) == (status == 200)
