@@ -96,9 +96,18 @@ class InProcessSessions:
         async def finish() -> None:
             session = sessions.by_id(ep.id)
             if session is None:
-                if sessions.ended(ep.id) is not None:
+                ended = sessions.ended(ep.id)
+                if ended is not None:
                     # The agent ended it (/rl/sessions/{id}/end) or it expired idle: what was
                     # stored then stands, and is read back below.
+                    if ep.reward is not None and ep.reward != ended.reward:
+                        log.warning(
+                            "episode %s was ended before its agent returned, with reward %s; "
+                            "the reward %s given after that is not used",
+                            ep.id,
+                            ended.reward,
+                            ep.reward,
+                        )
                     return
                 raise SessionError(404, f"no open session for episode {ep.id}")
             for turn_id, value in ctx.turn_rewards.items():

@@ -15,7 +15,7 @@ from areal_sdk.tracing import EpisodeContext
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 
-def test_an_idle_session_expires_as_a_failed_episode(tiny_model_dir, tmp_path):
+def test_an_idle_session_expires_as_a_failed_episode(tiny_model_dir, tmp_path, caplog):
     cfg = load_config(
         None,
         [
@@ -49,9 +49,10 @@ def test_an_idle_session_expires_as_a_failed_episode(tiny_model_dir, tmp_path):
         episode.reward = 1.0
         return expired, await sessions.end(ctx)
 
-    with LocalStack(cfg, store, host=host) as stack:
+    with LocalStack(cfg, store, host=host) as stack, caplog.at_level("WARNING"):
         expired, ended = asyncio.run(go(stack))
     assert expired.status == EpisodeStatus.FAILED and "idle for 0.5 s" in expired.error
     assert len(expired.turns) == 1 and expired.reward is None
-    assert ended == expired  # what was stored stands
+    assert ended == expired  # what was stored stands, and the log says the reward is not used
+    assert "the reward 1.0 given after that is not used" in caplog.text
     store.close()
