@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from openai import AsyncOpenAI
 
 from areal_sdk.config import load_config
@@ -15,6 +16,7 @@ from areal_sdk.tracing import EpisodeContext
 from areal_sdk.trajectory import Episode, EpisodeStatus
 
 
+@pytest.mark.slow
 def test_an_idle_session_expires_as_a_failed_episode(tiny_model_dir, tmp_path, caplog):
     cfg = load_config(
         None,
