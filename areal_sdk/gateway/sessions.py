@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "sk-areal-"
 # previous_response_id keeps this many responses per session (oldest forgotten first)
 MAX_STORED_RESPONSES = 256
-# Ended sessions remembered (a few hundred bytes each), so that ending one again is harmless
+# Ended sessions remembered (about 360 bytes each), so that ending one again is harmless
 # and its episode id cannot be reused.
-MAX_ENDED_REMEMBERED = 65536
+MAX_ENDED_REMEMBERED = 16384
 
 
 class EpisodeSink(Protocol):
@@ -72,7 +72,7 @@ class Session:
             self.responses.popitem(last=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EndedSession:
     """What is kept of an ended session: enough to answer a second end as the first."""
 
