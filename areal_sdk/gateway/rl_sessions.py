@@ -156,7 +156,7 @@ async def end_session(request: Request, episode_id: str) -> JSONResponse:
     if isinstance(session, EndedSession):  # ending twice is harmless
         return _end_ack(session)
     try:
-        await sessions.end(
+        episode = await sessions.end(
             session, status=req.status, reward=req.reward, error=req.error, metadata=req.metadata
         )
     except SessionError as exc:
@@ -167,6 +167,6 @@ async def end_session(request: Request, episode_id: str) -> JSONResponse:
             f"the episode could not be stored ({type(exc).__name__}: {exc})"[:500],
             code="store_unavailable",
         ) from exc
-    ended = sessions.ended(episode_id)
-    assert ended is not None  # an end that returned has stored and remembered the episode
-    return _end_ack(ended)
+    return _end_ack(
+        EndedSession(episode.id, session.key, episode.status, episode.reward, len(episode.turns))
+    )
