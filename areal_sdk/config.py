@@ -120,6 +120,12 @@ class InferenceConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     urls: list[str] = Field(default_factory=list, description="attach to running SGLang servers")
     tool_parser: str | None = None
+    session_idle_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        description="gateway: a session with no call for this long is ended as a failed "
+        "episode (null: never)",
+    )
     temperature: float = Field(1.0, ge=0.0)
     max_new_tokens: int = Field(512, ge=1)
     prefill_chunk: int | None = Field(

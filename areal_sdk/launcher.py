@@ -97,6 +97,19 @@ class InProcessSessions:
         async def finish() -> None:
             session = sessions.by_id(ep.id)
             if session is None:
+                ended = sessions.ended(ep.id)
+                if ended is not None:
+                    # The agent ended it (/rl/sessions/{id}/end) or it expired idle: what was
+                    # stored then stands, and is read back below.
+                    if ep.reward is not None and ep.reward != ended.reward:
+                        log.warning(
+                            "episode %s was ended before its agent returned, with reward %s; "
+                            "the reward %s given after that is not used",
+                            ep.id,
+                            ended.reward,
+                            ep.reward,
+                        )
+                    return
                 raise SessionError(404, f"no open session for episode {ep.id}")
             for turn_id, value in ctx.turn_rewards.items():
                 try:
@@ -217,6 +230,7 @@ class LocalStack:
             model_name=self.cfg.model.served_name,
             tool_parser=self.cfg.inference.tool_parser,
             default_max_tokens=self.cfg.inference.max_new_tokens,
+            session_idle_timeout_s=self.cfg.inference.session_idle_timeout_s,
             host=self.host,
         )
         self._gateway_state = app.state.gateway

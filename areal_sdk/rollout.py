@@ -277,7 +277,13 @@ class RolloutController:
             )
             result, error = await self._call_agent(task, ctx)
             self._finalize(ctx, task, result, error)
-            stored = await self.sessions.end(ctx)
+            try:
+                stored = await self.sessions.end(ctx)
+            except Exception as exc:  # fail this episode alone: its group must still finish
+                log.warning("episode %s could not be ended: %s", episode.id, exc)
+                episode.status = EpisodeStatus.FAILED
+                episode.error = f"could not end the episode ({type(exc).__name__}: {exc})"[:500]
+                stored = episode
         if stored.error == NO_MODEL_CALL:
             self._count_no_model_call(stored)
         if self.on_episode is not None:

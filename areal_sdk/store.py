@@ -53,6 +53,10 @@ class StoreError(RuntimeError):
     """The store cannot do what was asked (duplicate id, unknown episode, bad file)."""
 
 
+class DuplicateEpisodeError(StoreError):
+    """An episode with that id is already stored; storing it again can never succeed."""
+
+
 def store_path(run_dir: str | Path) -> Path:
     """Where a run directory keeps its store."""
     return Path(run_dir) / STORE_FILENAME
@@ -170,7 +174,7 @@ class TrajectoryStore:
                 self._db.execute("COMMIT")
             except sqlite3.IntegrityError as exc:
                 self._db.execute("ROLLBACK")
-                raise StoreError(f"episode id already stored: {exc}") from None
+                raise DuplicateEpisodeError(f"episode id already stored: {exc}") from None
             except BaseException:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")

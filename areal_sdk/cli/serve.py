@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             tool_parser=cfg.inference.tool_parser,
             max_model_len=cfg.inference.max_model_len,
             default_max_tokens=cfg.inference.max_new_tokens,
+            session_idle_timeout_s=cfg.inference.session_idle_timeout_s,
         )
     except ValueError as exc:
         return fail(str(exc))

@@ -45,6 +45,7 @@ from areal_sdk.inference import InferenceBackend
 log = logging.getLogger("areal_sdk.gateway")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 3600.0
 
 
 class _BodyLimit:
@@ -140,6 +141,7 @@ def create_app(
     max_model_len: int | None = None,
     default_max_tokens: int = 512,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    session_idle_timeout_s: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
     host: Any = None,
 ) -> FastAPI:
     """Build the gateway over ``backend``.
@@ -149,7 +151,8 @@ def create_app(
     ``tool_parser`` is a parser name registered through the ``areal_tool_call_parsers`` hook
     (default: picked from the chat template) or a parser function. ``host`` is the plugin host
     (default: the process-wide one); it also gets the ``areal_turn_recorded`` and
-    ``areal_episode_ended`` events.
+    ``areal_episode_ended`` events. A session with no call for ``session_idle_timeout_s``
+    (None: never) is ended as failed and stored.
     """
     if not admin_token:
         raise ValueError("admin_token must be a non-empty string")
@@ -171,7 +174,7 @@ def create_app(
         host = get_host()
     parser = _resolve_parser(tool_parser, builder.template, host)
     metrics = GatewayMetrics()
-    sessions = SessionManager(episode_sink, metrics, host)
+    sessions = SessionManager(episode_sink, metrics, host, idle_timeout_s=session_idle_timeout_s)
     generator = Generator(
         backend,
         builder,
@@ -186,7 +189,7 @@ def create_app(
         version="0.1.0",
         docs_url=None,
         redoc_url=None,
-        lifespan=_remember_loop,
+        lifespan=_lifespan,
     )
     app.state.gateway = Gateway(
         generator=generator,
@@ -214,9 +217,16 @@ def create_app(
 
 
 @asynccontextmanager
-async def _remember_loop(app: FastAPI) -> AsyncIterator[None]:
-    app.state.gateway.loop = asyncio.get_running_loop()
-    yield
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Remembers the serving loop and reaps idle sessions while the app runs."""
+    gw: Gateway = app.state.gateway
+    gw.loop = asyncio.get_running_loop()
+    reaper = asyncio.create_task(gw.sessions.reap_forever(), name="areal-session-reaper")
+    try:
+        yield
+    finally:
+        reaper.cancel()
+        await asyncio.gather(reaper, return_exceptions=True)
 
 
 def _install_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:

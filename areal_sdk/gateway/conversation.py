@@ -16,6 +16,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_sdk.gateway.json_input import loads_checked
+
 
 def new_call_id(prefix: str = "call") -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
@@ -29,8 +31,8 @@ class ToolCall:
 
     def arguments_obj(self) -> Any:
         try:
-            return json.loads(self.arguments)
-        except (json.JSONDecodeError, TypeError):
+            return loads_checked(self.arguments)
+        except (ValueError, TypeError):  # not usable JSON: the text as the client sent it
             return self.arguments
 
 

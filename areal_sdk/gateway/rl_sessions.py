@@ -2,7 +2,8 @@
 
 ``POST /rl/sessions`` needs the admin token. The other routes accept the admin token or the
 session's own key; any other key sees 404, so one episode cannot even learn that another
-exists.
+exists. A reward must be a finite number (else 400, and nothing changes). Ending an ended
+episode again answers as the first end did; an episode id is never reused (409).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_sdk.gateway.errors import GatewayError, from_validation
-from areal_sdk.gateway.sessions import Session, SessionError
+from areal_sdk.gateway.sessions import EndedSession, Session, SessionError
 from areal_sdk.gateway.state import api_key_of, gateway_of, json_body, read_json, require_admin
 from areal_sdk.trajectory import EpisodeStatus
 
@@ -31,14 +32,14 @@ class CreateSession(BaseModel):
 
 class SetReward(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float
+    reward: float = Field(strict=True)  # a JSON number: "0.5" as a string is refused
     turn_id: str | None = None
 
 
 class EndSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: EpisodeStatus = EpisodeStatus.OK
-    reward: float | None = None
+    reward: float | None = Field(None, strict=True)
     error: str | None = None
     metadata: dict[str, Any] | None = None
 
@@ -54,32 +55,51 @@ async def _body(request: Request, model: type[BaseModel], *, optional: bool = Fa
         raise from_validation(exc, status=422) from exc
 
 
-def _session_for(request: Request, episode_id: str) -> Session:
-    """The session if the caller is the admin or holds that session's key; else 404/401."""
+def _session_for(request: Request, episode_id: str) -> Session | EndedSession:
+    """The session (or what is left of it once ended) if the caller is the admin or holds
+    that session's key; else 404/401."""
     gw = gateway_of(request)
     key = api_key_of(request)
-    session = gw.sessions.by_id(episode_id)
+    found: Session | EndedSession | None = gw.sessions.by_id(episode_id) or gw.sessions.ended(
+        episode_id
+    )
     if gw.is_admin(key):
-        if session is None:
-            raise GatewayError(404, f"no open session for episode {episode_id}", code="not_found")
-        return session
+        if found is None:
+            raise GatewayError(404, f"no session for episode {episode_id}", code="not_found")
+        return found
     if key is None:
         raise GatewayError(
             401, "this route needs the admin token or the session's key", code="invalid_api_key"
         )
-    mine = gw.sessions.by_key(key)
+    mine = gw.sessions.owner_of(key)
     if mine is None:
-        raise GatewayError(
-            401, "the key is unknown or its episode has ended", code="invalid_api_key"
-        )
-    if session is None or mine is not session:
-        raise GatewayError(404, f"no open session for episode {episode_id}", code="not_found")
+        raise GatewayError(401, "the key is unknown", code="invalid_api_key")
+    if found is None or mine is not found:
+        raise GatewayError(404, f"no session for episode {episode_id}", code="not_found")
+    return found
+
+
+def _open_session_for(request: Request, episode_id: str) -> Session:
+    session = _session_for(request, episode_id)
+    if isinstance(session, EndedSession):
+        raise GatewayError(409, f"episode {episode_id} has ended", code="conflict")
     return session
 
 
 def _raise(exc: SessionError) -> GatewayError:
-    return GatewayError(
-        exc.status, exc.message, code="conflict" if exc.status == 409 else "not_found"
+    code = {400: "invalid_value", 409: "conflict"}.get(exc.status, "not_found")
+    return GatewayError(exc.status, exc.message, code=code, param=exc.param)
+
+
+def _end_ack(ended: EndedSession) -> JSONResponse:
+    return JSONResponse(
+        {
+            "id": ended.episode_id,
+            "status": ended.status.value,
+            "reward": ended.reward,
+            "turns": ended.turns,
+            "stored": True,
+        }
     )
 
 
@@ -113,13 +133,13 @@ async def create_session(request: Request) -> JSONResponse:
 
 @router.get("/sessions/{episode_id}")
 async def get_session(request: Request, episode_id: str) -> JSONResponse:
-    session = _session_for(request, episode_id)
+    session = _open_session_for(request, episode_id)
     return JSONResponse(session.episode.model_dump(mode="json"))
 
 
 @router.post("/sessions/{episode_id}/reward", openapi_extra=json_body(SetReward))
 async def set_reward(request: Request, episode_id: str) -> JSONResponse:
-    session = _session_for(request, episode_id)
+    session = _open_session_for(request, episode_id)
     req = await _body(request, SetReward)
     try:
         gateway_of(request).sessions.set_reward(session, req.reward, req.turn_id)
@@ -132,8 +152,11 @@ async def set_reward(request: Request, episode_id: str) -> JSONResponse:
 async def end_session(request: Request, episode_id: str) -> JSONResponse:
     session = _session_for(request, episode_id)
     req = await _body(request, EndSession, optional=True)
+    sessions = gateway_of(request).sessions
+    if isinstance(session, EndedSession):  # ending twice is harmless
+        return _end_ack(session)
     try:
-        episode = await gateway_of(request).sessions.end(
+        episode = await sessions.end(
             session, status=req.status, reward=req.reward, error=req.error, metadata=req.metadata
         )
     except SessionError as exc:
@@ -144,12 +167,6 @@ async def end_session(request: Request, episode_id: str) -> JSONResponse:
             f"the episode could not be stored ({type(exc).__name__}: {exc})"[:500],
             code="store_unavailable",
         ) from exc
-    return JSONResponse(
-        {
-            "id": episode.id,
-            "status": episode.status.value,
-            "reward": episode.reward,
-            "turns": len(episode.turns),
-            "stored": True,
-        }
+    return _end_ack(
+        EndedSession(episode.id, session.key, episode.status, episode.reward, len(episode.turns))
     )

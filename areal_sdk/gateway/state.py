@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from areal_sdk.gateway.errors import ApiFlavor, GatewayError, from_validation
 from areal_sdk.gateway.generation import Generator
+from areal_sdk.gateway.json_input import loads_checked
 from areal_sdk.gateway.metrics import GatewayMetrics
 from areal_sdk.gateway.sessions import Session, SessionManager
 
@@ -115,10 +116,14 @@ async def in_call(gw: Gateway, caller: Caller) -> AsyncIterator[None]:
 async def read_json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = loads_checked(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GatewayError(
             400, "We could not parse the JSON body of your request.", code="invalid_json"
+        ) from exc
+    except ValueError as exc:
+        raise GatewayError(
+            400, f"We could not use the JSON body of your request: {exc}.", code="invalid_json"
         ) from exc
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -189,11 +194,18 @@ def call_metadata(request: Request) -> dict[str, Any]:
     if raw is None or not raw.strip():
         return {}
     try:
-        value = json.loads(raw)
+        value = loads_checked(raw)
     except json.JSONDecodeError as exc:
         raise GatewayError(
             400,
             f"The {METADATA_HEADER} header is not valid JSON: {exc.msg}.",
+            param=METADATA_HEADER,
+            code="invalid_metadata",
+        ) from exc
+    except ValueError as exc:
+        raise GatewayError(
+            400,
+            f"The {METADATA_HEADER} header cannot be used: {exc}.",
             param=METADATA_HEADER,
             code="invalid_metadata",
         ) from exc

@@ -77,7 +77,7 @@ def test_end_stores_the_episode_before_acknowledging(gateway):
     # the key is dead now
     with pytest.raises(openai.AuthenticationError):
         c.chat.completions.create(model="m", messages=ASK, max_tokens=2)
-    assert gateway.end(episode_id).status_code == 404
+    assert gateway.end(episode_id).json()["stored"] is True  # ending again is harmless
 
 
 def test_a_session_can_end_itself_with_its_own_key(gateway):
