@@ -19,9 +19,11 @@ keeps SDPA and the torch sampler and says so once in the log.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,24 +48,50 @@ def available() -> bool:
     if hasattr(torch.ops.areal_cpu, "rope_write"):
         return True
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        progress.info(
-            "loading the engine's CPU kernels (the first time on a machine they are compiled, "
-            "about 20 s; cached after)"
-        )
-        load(
-            name=_build_name(),
-            sources=[str(s) for s in _SOURCES],
-            # OpenMP for torch's parallel_for; the extension then binds torch's own libgomp.
-            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(_capability(), [])],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        build_dir = Path(_get_build_directory(_build_name(), verbose=False))
+        if not (build_dir / f"{_build_name()}.so").is_file():
+            progress.info("compiling the engine's CPU kernels (once per machine, about 20 s)")
+        with _exclusive_build(build_dir):
+            load(
+                name=_build_name(),
+                sources=[str(s) for s in _SOURCES],
+                # OpenMP for torch's parallel_for; the extension then binds torch's libgomp.
+                extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(_capability(), [])],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except Exception as exc:  # no compiler, no headers: the torch paths still work
         log.warning("CPU kernels unavailable (%s); using SDPA and the torch sampler", exc)
         return False
     return hasattr(torch.ops.areal_cpu, "rope_write")
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``build_dir`` while torch builds or loads the kernels.
+
+    torch's own build lock is a plain file (``lock``) that a build killed midway leaves
+    behind, and every later ``load`` then waits on it forever. Builds here take an ``flock``
+    first, which the kernel releases when its holder dies: whoever holds it knows no build is
+    running, so a ``lock`` file found then is stale and removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".areal-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _capability() -> str:
