@@ -66,6 +66,11 @@ def test_config_show_resolves_defaults_and_overrides(tmp_path):
     assert "group_size: 6" in out and "lr: 2.0e-06" in out and "max_staleness: 1" in out
     shown = json.loads(cli("config", "show", str(path), "--json").stdout)
     assert shown["rollout"]["group_size"] == 2
+    # Overrides may follow the flags, as in `train CONFIG --resume run.steps=32`.
+    shown = json.loads(cli("config", "show", str(path), "--json", "rollout.group_size=4").stdout)
+    assert shown["rollout"]["group_size"] == 4
+    stray = cli("config", "show", str(path), "--json", "--bogus", check=False)
+    assert stray.returncode == 2 and "unrecognized arguments: --bogus" in stray.stderr
 
 
 def test_config_show_bad_config_fails_naming_the_key(tmp_path):

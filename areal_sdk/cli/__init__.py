@@ -47,7 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may come after flags too (`train CONFIG --resume run.steps=32`).
+    if extra and isinstance(getattr(args, "overrides", None), list):
+        if any(token.startswith("-") or "=" not in token for token in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides.extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         sys.exit(2 if args.command is None else 0)
