@@ -142,7 +142,7 @@ async def test_abort_one_request(backend: SGLangBackend, servers) -> None:
 async def test_disk_weight_update_while_requests_are_in_flight(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    engines = [make_engine(tiny_model_dir) for _ in range(2)]
+    engines = [make_engine(tiny_model_dir, max_model_len=1024) for _ in range(2)]
     threads = [engine_server(e) for e in engines]
     for t in threads:
         t.start()
@@ -155,7 +155,8 @@ async def test_disk_weight_update_while_requests_are_in_flight(
         sync = make_weight_sync("disk", cfg, engine=backend)
         trainer = TorchBackend(tiny_model_dir, train_config())
         trainer.train_step(micro_batches(40)[0], loss_fn(trainer.step))
-        long = SamplingParams(max_new_tokens=120, temperature=1.0, ignore_eos=True)
+        # Long enough to still be decoding when the push lands, on a fast or a busy machine.
+        long = SamplingParams(max_new_tokens=1000, temperature=1.0, ignore_eos=True)
         tasks = [asyncio.create_task(backend.generate(PROMPT, long)) for _ in range(4)]
         await _until_running([(t.url, e) for t, e in zip(threads, engines, strict=True)], 4)
         await asyncio.sleep(0.2)
