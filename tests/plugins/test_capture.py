@@ -276,31 +276,3 @@ def test_an_episode_whose_calls_never_reach_the_gateway_fails_and_never_trains(
     assert all(s.status == "failed" and s.error == NO_MODEL_CALL for s in stored)
     metrics = httpx.get(stack.url + "/metrics").text
     assert 'areal_gateway_sessions_total{event="no_model_call"} 3.0' in metrics
-
-
-@_needs("agents", "langsmith")
-def test_framework_telemetry_is_off_during_rollouts_unless_the_config_turns_it_on(
-    gateway, monkeypatch
-):
-    import langsmith.utils
-    from agents.tracing.processors import default_processor
-    from areal_sdk.plugins import openai_agents
-
-    from areal_sdk.hookspecs import GatewayRoute
-
-    monkeypatch.setenv("LANGSMITH_TRACING", "true")
-    langsmith.utils.get_env_var.cache_clear()
-    cfg = load_config(None, ["agent.framework_telemetry=true"])
-    host = PluginHost()
-    try:
-        for allowed in (False, cfg.agent.framework_telemetry):
-            host.install_routing(GatewayRoute(gateway.url, framework_telemetry=allowed))
-            exporting = default_processor() in openai_agents._processors()
-            assert (exporting, langsmith.utils.tracing_is_enabled()) == (allowed, allowed)
-            host.remove_routing()
-            # routing gone: the frameworks are as the user left them
-            assert default_processor() in openai_agents._processors()
-            assert langsmith.utils.tracing_is_enabled() is True
-    finally:
-        host.remove_routing()
-        langsmith.utils.get_env_var.cache_clear()
