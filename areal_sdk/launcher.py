@@ -20,6 +20,7 @@ from areal_sdk.gateway.sessions import SessionError
 from areal_sdk.gateway.state import Gateway
 from areal_sdk.hookspecs import GatewayRoute
 from areal_sdk.inference import InferenceBackend
+from areal_sdk.malloc import limit_arenas
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.server_thread import ServerStartError, ServerThread, bind_tcp
 from areal_sdk.store import TrajectoryStore
@@ -194,6 +195,8 @@ class LocalStack:
         on_restart: Callable[[str], None] | None = None,
         address: GatewayAddress | None = None,
     ) -> None:
+        # Before the engine's and the agents' threads allocate (areal_sdk.malloc).
+        limit_arenas()
         self.cfg = cfg
         self.address = address
         self.on_restart = on_restart

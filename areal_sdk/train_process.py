@@ -158,11 +158,13 @@ def _error_reply(exc: BaseException) -> tuple[str, Any, str, str]:
 def _child_main(conn: Connection, config: dict[str, Any]) -> None:
     from areal_sdk.backends.weight_sync.base import sync_dtype
     from areal_sdk.config import Config
+    from areal_sdk.malloc import limit_arenas
     from areal_sdk.plugin_host import get_host
 
     # A terminal's Ctrl-C reaches the whole process group; the parent finishes the step in
     # flight and checkpoints before it stops this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    limit_arenas()
     try:
         cfg = Config.model_validate(config)
         backend = get_host().train_backend(cfg.train.backend)(cfg)

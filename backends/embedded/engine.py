@@ -50,6 +50,7 @@ from areal_sdk.inference import (
     SamplingParams,
     WeightSource,
 )
+from areal_sdk.malloc import release_free_memory
 from areal_sdk.models import resolve_max_model_len
 
 log = logging.getLogger(__name__)
@@ -499,6 +500,10 @@ class EmbeddedEngine(InferenceBackend):
         if kind == "update_weights":
             source, version, flush = payload
             self.runner.weights_changed(load_into(self.model, source))
+            if self.runner.device.type == "cpu":
+                # The repacked weights were built beside the old ones; give back the pages
+                # the old ones leave free (areal_sdk.malloc).
+                release_free_memory()
             self._version = version
             if flush:
                 for request in self._active:

@@ -5,10 +5,13 @@ Entry point (pyproject): ``embedded_engine = "areal_sdk.backends.embedded.plugin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from areal_sdk.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from areal_sdk.backends.embedded.engine import EmbeddedEngine
@@ -27,7 +30,7 @@ def create_engine(config: Config) -> EmbeddedEngine:
     return EmbeddedEngine.from_pretrained(
         source,
         device=inference.device,
-        dtype=config.model.dtype,
+        dtype=_dtype_that_runs(config.model.dtype, inference.device),
         tokenizer=config.model.tokenizer,
         model_name=config.model.served_name,
         config=EngineConfig(
@@ -38,6 +41,21 @@ def create_engine(config: Config) -> EmbeddedEngine:
             recompute_kv_on_update=inference.recompute_kv_on_update,
         ),
     )
+
+
+def _dtype_that_runs(dtype: str, device: str) -> str:
+    """``model.dtype`` as this machine runs it: bfloat16 on a CPU without native bf16
+    products (AVX2 only), where they run tens of times slower, becomes float32."""
+    import torch
+    from areal_sdk.backends.train.torch_backend import bf16_runs_fast
+
+    if dtype == "bfloat16" and not bf16_runs_fast(torch.device(device)):
+        log.warning(
+            "model.dtype is bfloat16, but this CPU has no native bfloat16 matrix products: "
+            "the engine runs in float32"
+        )
+        return "float32"
+    return dtype
 
 
 @hookimpl

@@ -37,6 +37,7 @@ from areal_sdk.checkpoints import (
     write_weights,
 )
 from areal_sdk.config import TrainConfig
+from areal_sdk.malloc import release_free_memory
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,10 @@ class TorchBackend(TrainBackend):
         metrics.update(self._apply_gradients(skip=total <= 0))
         metrics["loss"] = step_loss
         metrics["tokens"] = float(sum(b.num_tokens for b in batches))
+        if self._device.type == "cpu":
+            # The step's activations and logits are freed; hand their pages back rather than
+            # keep them in this worker thread's malloc arena (areal_sdk.malloc).
+            release_free_memory()
         return metrics
 
     def _apply_gradients(self, *, skip: bool) -> dict[str, float]:
