@@ -171,6 +171,18 @@ class ModelFiles:
 def write_weights(buckets: Iterable[NamedTensors], directory: str | Path) -> torch.dtype:
     """Write HF safetensors into ``directory``: one shard per bucket, ``model.safetensors``
     alone when there is one. Returns the weights' (first) dtype, for the config."""
+    return write_safetensors(buckets, directory).dtype
+
+
+@dataclass(frozen=True)
+class WrittenWeights:
+    dtype: torch.dtype  # the first tensor's
+    tensors: int
+    nbytes: int
+
+
+def write_safetensors(buckets: Iterable[NamedTensors], directory: str | Path) -> WrittenWeights:
+    """``write_weights``, saying what was written; ``ValueError`` when there was nothing."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -192,10 +204,11 @@ def write_weights(buckets: Iterable[NamedTensors], directory: str | Path) -> tor
             weight_map[name] = shard
             total += t.numel() * t.element_size()
     if not shards:
-        raise ValueError("the backend gave no weights to write")
+        raise ValueError("no weights to write")
+    written = WrittenWeights(dtype, len(weight_map), total)
     if len(shards) == 1:
         os.replace(directory / shards[0], directory / SINGLE_FILE)
-        return dtype
+        return written
     # HF names shards model-0000k-of-0000n; the count is known only now.
     renamed = {
         s: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards)
@@ -207,7 +220,7 @@ def write_weights(buckets: Iterable[NamedTensors], directory: str | Path) -> tor
         "weight_map": {name: renamed[s] for name, s in sorted(weight_map.items())},
     }
     (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-    return dtype
+    return written
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:

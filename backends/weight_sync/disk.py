@@ -1,8 +1,8 @@
 """``disk``: safetensors on disk, one Hugging Face directory per version.
 
-``push`` writes ``<dir>/v<version>/`` (one shard per bucket plus
-``model.safetensors.index.json``, and the policy's ``config.json``, generation config and
-tokenizer files copied beside them), so the directory is a complete HF checkpoint: the
+``push`` writes ``<dir>/v<version>/`` (one shard per bucket with
+``model.safetensors.index.json``, or ``model.safetensors`` alone, as a checkpoint's weights
+are written; the policy's ``config.json``, generation config and tokenizer files beside them), so the directory is a complete HF checkpoint: the
 embedded engine's ``update_weights(dir, version)``, SGLang's ``/update_weights_from_disk``
 and ``from_pretrained`` all load it. Each version is written under a temporary name and
 renamed when complete, so a reader never sees half a checkpoint. After the engine has loaded
@@ -12,7 +12,6 @@ it, all but the newest ``keep_last`` version directories are removed.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import shutil
 from collections.abc import Iterable
@@ -57,41 +56,17 @@ def write_hf_weights(
 ) -> tuple[int, int]:
     """Write buckets as HF safetensors shards into ``out_dir`` (atomically). Returns
     (tensors, bytes). ``model_dir``'s config and tokenizer files are copied alongside."""
-    from safetensors.torch import save_file
+    from areal_sdk.checkpoints import write_safetensors
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    shards: list[str] = []
-    total = 0
-    for bucket in state:
-        bucket = cast_bucket(bucket, dtype)
-        if not bucket:
-            continue
-        shard = f"model-{len(shards) + 1:05d}.safetensors"
-        tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
-        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-        shards.append(shard)
-        for name, t in tensors.items():
-            weight_map[name] = shard
-            total += t.numel() * t.element_size()
-    if not shards:
-        shutil.rmtree(tmp)
-        raise ValueError("no tensors to write")
-    # HF names shards model-0000k-of-0000n; the total is only known at the end.
-    renamed = {
-        s: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards)
-    }
-    for old, new in renamed.items():
-        (tmp / old).rename(tmp / new)
-    index = {
-        "metadata": {"total_size": total},
-        "weight_map": {name: renamed[s] for name, s in sorted(weight_map.items())},
-    }
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    try:
+        written = write_safetensors((cast_bucket(bucket, dtype) for bucket in state), tmp)
+    except ValueError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if model_dir is not None:
         for name in SIDE_FILES:
             src = Path(model_dir) / name
@@ -100,7 +75,7 @@ def write_hf_weights(
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-    return len(weight_map), total
+    return written.tensors, written.nbytes
 
 
 def cleanup_versions(root: str | Path, keep_last: int, *, keep: Iterable[Path] = ()) -> list[Path]:
