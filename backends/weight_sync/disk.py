@@ -1,12 +1,13 @@
 """``disk``: safetensors on disk, one Hugging Face directory per version.
 
-``push`` writes ``<dir>/v<version>/`` (one shard per bucket with
-``model.safetensors.index.json``, or ``model.safetensors`` alone, as a checkpoint's weights
-are written; the policy's ``config.json``, generation config and tokenizer files beside them), so the directory is a complete HF checkpoint: the
-embedded engine's ``update_weights(dir, version)``, SGLang's ``/update_weights_from_disk``
-and ``from_pretrained`` all load it. Each version is written under a temporary name and
-renamed when complete, so a reader never sees half a checkpoint. After the engine has loaded
-it, all but the newest ``keep_last`` version directories are removed.
+``push`` writes ``<dir>/v<version>/``: the weights as a checkpoint's are written (one shard
+per bucket with ``model.safetensors.index.json``, or ``model.safetensors`` alone) and the
+policy's ``config.json``, generation config and tokenizer files beside them, so the directory
+is a complete HF checkpoint: the embedded engine's ``update_weights(dir, version)``, SGLang's
+``/update_weights_from_disk`` and ``from_pretrained`` all load it. Each version is written
+under a temporary name and renamed when complete, so a reader never sees half a checkpoint.
+After the engine has loaded it, all but the newest ``keep_last`` version directories are
+removed.
 """
 
 from __future__ import annotations
