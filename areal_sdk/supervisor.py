@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -53,7 +54,9 @@ class SupervisedEngine(InferenceBackend):
         self.restarts = 0
         self.tokenizer = self._engine.tokenizer
         self.model_name = self._engine.model_name
-        self._restarting = asyncio.Lock()
+        # A thread lock, not an asyncio one: the gateway's thread and the run's loop both
+        # call in, and an asyncio.Lock contended from two event loops raises.
+        self._restarting = threading.Lock()
 
     @property
     def engine(self) -> InferenceBackend:
@@ -83,32 +86,39 @@ class SupervisedEngine(InferenceBackend):
 
     async def _rebuild_if_dead(self) -> bool:
         dead = self._engine
-        async with self._restarting:
-            if self._engine is not dead or await self._alive(dead):
-                return False  # another caller rebuilt it already, or it lives
-            if self.restarts >= self.max_restarts:
-                raise EngineRestartError(
-                    f"the engine died again after {self.restarts} restarts; giving up"
-                )
-            self.restarts += 1
-            reason = "unknown"
-            try:
-                await dead.health()
-            except Exception as exc:
-                reason = str(exc)
-            self.on_restart(f"the engine died ({reason}); restart {self.restarts}")
-            try:
-                await dead.close()
-            except Exception:  # it is dead: closing is best effort
-                log.debug("closing the dead engine failed", exc_info=True)
-            fresh = await in_fresh_thread(self._factory)
-            weights = await self.latest_weights() if self.latest_weights else None
-            if weights is not None:
-                source, version = weights
-                await fresh.update_weights(source, version)
-            self._engine = fresh
-            self.on_restart(f"the engine serves again at weight version {fresh.version}")
-            return True
+        while not self._restarting.acquire(blocking=False):  # never blocks either loop
+            await asyncio.sleep(0.05)
+        try:
+            return await self._rebuild(dead)
+        finally:
+            self._restarting.release()
+
+    async def _rebuild(self, dead: InferenceBackend) -> bool:
+        if self._engine is not dead or await self._alive(dead):
+            return False  # another caller rebuilt it already, or it lives
+        if self.restarts >= self.max_restarts:
+            raise EngineRestartError(
+                f"the engine died again after {self.restarts} restarts; giving up"
+            )
+        self.restarts += 1
+        reason = "unknown"
+        try:
+            await dead.health()
+        except Exception as exc:
+            reason = str(exc)
+        self.on_restart(f"the engine died ({reason}); restart {self.restarts}")
+        try:
+            await dead.close()
+        except Exception:  # it is dead: closing is best effort
+            log.debug("closing the dead engine failed", exc_info=True)
+        fresh = await in_fresh_thread(self._factory)
+        weights = await self.latest_weights() if self.latest_weights else None
+        if weights is not None:
+            source, version = weights
+            await fresh.update_weights(source, version)
+        self._engine = fresh
+        self.on_restart(f"the engine serves again at weight version {fresh.version}")
+        return True
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine

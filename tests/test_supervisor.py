@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -47,3 +48,47 @@ async def test_a_caller_cancelled_mid_rebuild_does_not_stop_it(tiny_model_dir: P
     finally:
         for engine in built:
             await engine.close()
+
+
+def test_callers_on_two_event_loops_share_one_rebuild(tiny_model_dir: Path) -> None:
+    """The gateway's thread and the run's loop both find the engine dead at once: one
+    rebuild, and neither caller fails on a lock bound to the other's loop."""
+    built = []
+
+    def factory():  # type: ignore[no-untyped-def]
+        if built:
+            time.sleep(0.5)  # a rebuild takes a while: the second caller waits on it
+        engine = make_engine(tiny_model_dir)
+        built.append(engine)
+        return engine
+
+    supervised = SupervisedEngine(factory)
+
+    def crash() -> None:
+        raise SystemExit("simulated crash")
+
+    async def kill() -> None:
+        built[0]._step = crash  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await built[0].generate([5, 17, 42], GREEDY)
+
+    asyncio.run(kill())
+    outcomes: list[object] = []
+
+    def caller() -> None:
+        try:
+            outcomes.append(asyncio.run(supervised.generate([5, 17, 42], GREEDY)))
+        except Exception as exc:  # recorded, so the assertion names it
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    try:
+        assert [type(o).__name__ for o in outcomes] == ["GenerateOutput"] * 2, outcomes
+        assert supervised.restarts == 1 and len(built) == 2
+    finally:
+        for engine in built:
+            asyncio.run(engine.close())
