@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,14 @@ def run_config(tmp_path, tiny_model_dir):
         return write_run(tmp_path, tiny_model_dir, **sections)
 
     return make
+
+
+def train_subprocess(config: Path, *args: str) -> subprocess.Popen[str]:
+    """``areal-sdk train CONFIG ARGS`` as a user runs it, its output unbuffered and merged."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "areal_sdk", "train", str(config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )

@@ -5,7 +5,6 @@ one run (each step logged once, the held-out reward before, after and the gain).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,16 +15,7 @@ import pytest
 from areal_sdk.checkpoints import Checkpoints
 from areal_sdk.metrics import read_metrics
 from areal_sdk.store import TrajectoryStore
-
-
-def _train(config, *args):
-    return subprocess.Popen(
-        [sys.executable, "-m", "areal_sdk", "train", str(config), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+from tests.training.conftest import train_subprocess as _train
 
 
 def _interrupt_after(config, steps: int, sig: signal.Signals) -> tuple[int, str]:

@@ -5,11 +5,8 @@ run queues, and which samples it must run to complete a group the crash cut shor
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -21,16 +18,7 @@ from areal_sdk.metrics import read_metrics
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.training_run import TRAIN_RUN, TrainingRun, _leftover_groups
 from areal_sdk.trajectory import Episode, EpisodeStatus, Turn
-
-
-def _train(config, *args):
-    return subprocess.Popen(
-        [sys.executable, "-m", "areal_sdk", "train", str(config), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+from tests.training.conftest import train_subprocess as _train
 
 
 @pytest.mark.slow
