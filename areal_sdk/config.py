@@ -93,6 +93,12 @@ class RolloutConfig(Section):
     timeout_s: float = Field(300.0, gt=0)
     retries: int = Field(0, ge=0)
     max_staleness: int = Field(1, ge=0, description="0 is the synchronous baseline")
+    workers: int = Field(
+        2,
+        ge=1,
+        description="run.placement=processes: processes that run the agents (each runs up "
+        "to concurrency / workers episodes at once)",
+    )
 
     @model_validator(mode="after")
     def _whole_groups(self) -> RolloutConfig:
@@ -108,6 +114,12 @@ class InferenceConfig(Section):
     """The inference engine behind the gateway."""
 
     backend: str = Field("embedded", description="a registered inference backend")
+    servers: int = Field(
+        1,
+        ge=1,
+        description="run.placement=processes: engine servers, each a process of its own, "
+        "behind the gateway's router (an episode's turns stay on one server)",
+    )
     device: str = "cpu"
     max_batch_size: int = Field(32, ge=1)
     max_model_len: int | None = Field(
@@ -326,6 +338,19 @@ class RunConfig(Section):
         "latest", description="optimizer state in the newest checkpoint only, or in all kept"
     )
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"])
+    placement: Literal["auto", "inprocess", "processes", "ray"] = Field(
+        "auto",
+        description="where the services run: inprocess (one interpreter), processes (engine "
+        "servers, gateway, rollout workers and trainer each a process), ray (actors on a Ray "
+        "cluster). auto: processes on CUDA, inprocess on CPU (the faster one on each)",
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="a service silent this long is stalled, and is restarted"
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="restarts of one service within restart_window_s before the run stops"
+    )
+    restart_window_s: float = Field(300.0, gt=0)
 
 
 class Config(Section):
