@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from areal_sdk.inference import InferenceBackend
 from areal_sdk.malloc import limit_arenas
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.server_thread import ServerStartError, ServerThread, bind_tcp
+from areal_sdk.services.health import Phase, ServiceKind, ServiceState
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import SearchPath, load_agent
@@ -207,6 +209,9 @@ class LocalStack:
         self._gateway: ServerThread | None = None
         self._gateway_state: Gateway | None = None
         self.url = ""
+        self.runner = None  # agents run in this process (the controller's own runner)
+        self._engine_state = ServiceState(kind=ServiceKind.ENGINE, name="engine")
+        self._gateway_service = ServiceState(kind=ServiceKind.GATEWAY, name="gateway")
 
     def start(self) -> LocalStack:
         try:
@@ -244,6 +249,24 @@ class LocalStack:
             self.url = self._gateway.start()
         except ServerStartError as exc:  # the gateway failed to come up
             raise LaunchError(str(exc)) from exc
+        self._engine_state.enter(Phase.UP)
+        self._gateway_service.url = self.url
+        self._gateway_service.enter(Phase.UP)
+
+    async def supervise(self) -> None:
+        """Rebuild the engine when it dies (``SupervisedEngine``); the gateway is a thread of
+        this process and lives as long as it does."""
+        if isinstance(self.engine, SupervisedEngine):
+            await self.engine.watch()
+        else:
+            await asyncio.Event().wait()
+
+    def states(self) -> list[ServiceState]:
+        if isinstance(self.engine, SupervisedEngine):
+            self._engine_state.restarts = self.engine.restarts
+        pid = os.getpid()
+        self._engine_state.pid = self._gateway_service.pid = pid
+        return [self._engine_state, self._gateway_service]
 
     def sessions(self, run_id: str) -> InProcessSessions:
         assert self._gateway is not None and self._gateway_state is not None, "start it first"
@@ -261,6 +284,8 @@ class LocalStack:
         if self.engine is not None:
             engine, self.engine = self.engine, None
             asyncio.run(engine.close())
+        self._engine_state.enter(Phase.STOPPED)
+        self._gateway_service.enter(Phase.STOPPED)
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -198,6 +198,7 @@ class TrainProcess(TrainBackend):
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {}
         self._closed = False
+        self._closing = False  # close() was called: the child's exit is not a death
         self._process.start()
         child_conn.close()
         self._receive("start", timeout_s=start_timeout_s)
@@ -276,6 +277,13 @@ class TrainProcess(TrainBackend):
     def device(self) -> torch.device:
         return torch.device(self._state["device"])
 
+    def exitcode(self) -> int | None:
+        """None while the train process lives (or was closed on purpose); its exit code once
+        it died."""
+        if self._closing:
+            return None
+        return self._process.exitcode
+
     @property
     def pid(self) -> int | None:
         """The child's process id."""
@@ -312,6 +320,7 @@ class TrainProcess(TrainBackend):
         self._call("load", str(directory))
 
     def close(self) -> None:
+        self._closing = True
         with self._lock:
             if not self._closed and self._process.is_alive():
                 try:

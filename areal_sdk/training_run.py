@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,10 @@ from areal_sdk.launcher import LocalStack, open_agent
 from areal_sdk.metrics import EVAL_FILENAME, MetricLogger, plot_reward_curve
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.rollout import RolloutController
+from areal_sdk.services.control import ControlServer
+from areal_sdk.services.health import ServiceFailed, ServiceState
+from areal_sdk.services.placement import for_placement, resolve_placement
+from areal_sdk.services.stack import ProcessStack, TrainerWatch
 from areal_sdk.store import STORE_FILENAME, TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import load_tasks
@@ -78,12 +82,20 @@ class RunResult:
 
 
 class WeightPusher:
-    """Pause the engine, push the trainer's weights as ``version``, resume; bounded in time."""
+    """Pause the engine, push the trainer's weights as ``version``, resume; bounded in time.
+    ``after`` runs once the engine serves the new version (the gateway process learns it)."""
 
     def __init__(
-        self, cfg: Config, engine: InferenceBackend, backend: TrainBackend, host: PluginHost
+        self,
+        cfg: Config,
+        engine: InferenceBackend,
+        backend: TrainBackend,
+        host: PluginHost,
+        *,
+        after: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
+        self.after = after
         self.backend = backend
         self.timeout_s = cfg.weights.timeout_s
         self.bucket_bytes = cfg.weights.bucket_mb << 20
@@ -106,6 +118,8 @@ class WeightPusher:
             raise TrainingError(
                 f"the engine serves version {self.engine.version} after pushing {version}"
             )
+        if self.after is not None:
+            await self.after(version)
 
 
 def _final_samples(episodes: list[Episode], retries: int) -> dict[int, Episode]:
@@ -210,6 +224,8 @@ class TrainingRun:
             raise RunError("agent.entry is not set (module:function of your @areal.trace agent)")
         if cfg.data.path is None:
             raise RunError("data.path is not set (a JSONL file of training tasks)")
+        self.placement = resolve_placement(cfg)
+        cfg = for_placement(cfg, self.placement)
         self.cfg = cfg
         self.config_dir = config_dir
         self.resume = resume
@@ -223,10 +239,12 @@ class TrainingRun:
             keep_optimizer_state=cfg.run.keep_optimizer_state,
         )
         self.store_path = self.run_dir / STORE_FILENAME
-        self.stack: LocalStack | None = None  # set while running
+        self.stack: LocalStack | ProcessStack | None = None  # set while running
+        self.failure: BaseException | None = None  # a service that failed for good
         self.interrupted: str | None = None
         self._stop: asyncio.Event | None = None  # set while running
         self._task: asyncio.Task[Any] | None = None
+        self._trainer_watch: TrainerWatch | None = None
         if not resume and (self.store_path.exists() or self.checkpoints.latest() is not None):
             raise RunError(
                 f"{self.run_dir} already holds a run: pass --resume to continue it, or set "
@@ -249,12 +267,13 @@ class TrainingRun:
             else []
         )
         # Before any model loads, so a missing extra or a broken agent fails in seconds.
-        self.address, self.agent = open_agent(cfg, self.host, search_path=[config_dir, Path.cwd()])
+        self.search_path = [config_dir, Path.cwd()]
+        self.address, self.agent = open_agent(cfg, self.host, search_path=self.search_path)
 
     def _controller(
         self,
         agent: Any,
-        stack: LocalStack,
+        stack: LocalStack | ProcessStack,
         run_id: str,
         *,
         group_size: int,
@@ -267,7 +286,15 @@ class TrainingRun:
             host=self.host,
             group_size=group_size,
             agent_kwargs=agent_kwargs,
+            **({"runner": stack.runner} if stack.runner is not None else {}),
         )
+
+    def services(self) -> list[ServiceState]:
+        """Every service of the running run, as last seen (empty before it starts)."""
+        states = [] if self.stack is None else self.stack.states()
+        if self._trainer_watch is not None:
+            states.append(self._trainer_watch.state)
+        return states
 
     def interrupt(self, reason: str = "interrupted") -> None:
         """Stop the running run early; call it on the run's event loop (a signal handler).
@@ -304,7 +331,7 @@ class TrainingRun:
         staging.replace(path)
 
     async def _evaluate(
-        self, agent: Any, stack: LocalStack, store: TrajectoryStore, key: str, version: int
+        self, agent: Any, stack: LocalStack | ProcessStack, store: TrajectoryStore, key: str, version: int
     ) -> EvalResult | None:
         """The held-out reward of the policy at ``version`` (``key`` "before" or "after"),
         reused from ``eval.json`` when it was measured there already; None if interrupted."""
@@ -334,6 +361,69 @@ class TrainingRun:
             self._write_eval(key, result)
             self.on_event(f"held-out reward {key} training: {result}")
         return result
+
+    async def _start_stack(
+        self, store: TrajectoryStore, backend: TrainBackend
+    ) -> LocalStack | ProcessStack:
+        """The engine and the gateway in this process, or every service in its own."""
+        if self.placement == "processes":
+            stack = ProcessStack(
+                self.cfg,
+                store,
+                host=self.host,
+                address=self.address,
+                run_dir=self.run_dir,
+                search_path=self.search_path,
+                on_event=self.on_event,
+            )
+            await stack.start()
+            stack.fleet.latest_weights = _weights_of(backend)
+            return stack
+        self.on_event("starting the engine and the gateway")
+        local = LocalStack(
+            self.cfg, store, host=self.host, on_restart=self.on_event, address=self.address
+        )
+        await asyncio.to_thread(local.start)
+        if isinstance(local.engine, SupervisedEngine):
+            local.engine.latest_weights = _weights_of(backend)
+        return local
+
+    def _supervise(
+        self, stack: LocalStack | ProcessStack, backend: TrainBackend
+    ) -> asyncio.Task[None]:
+        """Watch every service; one that fails for good cancels the run, which then raises
+        its ``ServiceFailed``."""
+
+        def hint() -> str:
+            latest = self.checkpoints.latest()
+            if latest is not None and latest.step > 0:
+                return f"`areal-sdk train --resume` continues from its checkpoint of step {latest.step}"
+            return "`areal-sdk train --resume` continues the run"
+
+        self._trainer_watch = TrainerWatch(backend)
+
+        async def watch() -> None:
+            assert self._trainer_watch is not None
+            async with asyncio.TaskGroup() as group:
+                group.create_task(stack.supervise())
+                group.create_task(self._trainer_watch.watch(resume_hint=hint))
+
+        def done(task: asyncio.Task[None]) -> None:
+            if task.cancelled() or task.exception() is None:
+                return
+            error = task.exception()
+            while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+                error = error.exceptions[0]
+            self.failure = error
+            if not isinstance(error, ServiceFailed):
+                log.error("service supervision failed", exc_info=error)
+            self.on_event(f"stopping the run: {error}")
+            if self._task is not None:
+                self._task.cancel()
+
+        task = asyncio.create_task(watch())
+        task.add_done_callback(done)
+        return task
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -382,18 +472,20 @@ class TrainingRun:
                 f"({partial} partial groups to complete); {lost_weights} sampled by weights "
                 "the checkpoint does not descend from are left untrained"
             )
-        self.on_event("starting the engine and the gateway")
-        stack = self.stack = LocalStack(
-            cfg, store, host=self.host, on_restart=self.on_event, address=self.address
+        stack = self.stack = await self._start_stack(store, backend)
+        control = ControlServer(
+            self.run_dir,
+            placement=self.placement,
+            states=self.services,
+            add_engine=stack.add_engine if isinstance(stack, ProcessStack) else None,
+            remove_engine=stack.remove_engine if isinstance(stack, ProcessStack) else None,
         )
-        await asyncio.to_thread(stack.start)
-        watchdog: asyncio.Task[None] | None = None
+        control.start(asyncio.get_running_loop())
+        supervision = self._supervise(stack, backend)
         try:
             assert stack.engine is not None
-            if isinstance(stack.engine, SupervisedEngine):
-                stack.engine.latest_weights = _weights_of(backend)
-                watchdog = asyncio.create_task(stack.engine.watch())
-            pusher = WeightPusher(cfg, stack.engine, backend, self.host)
+            after = stack.after_weight_push if isinstance(stack, ProcessStack) else None
+            pusher = WeightPusher(cfg, stack.engine, backend, self.host, after=after)
             if backend.version != stack.engine.version:
                 await pusher(backend.version)  # a resumed run serves its checkpoint's weights
             agent = self.agent
@@ -438,11 +530,18 @@ class TrainingRun:
                 )
             if self.eval_tasks and cfg.eval.after and not stop.is_set():
                 result.after = await self._evaluate(agent, stack, store, "after", backend.version)
+        except asyncio.CancelledError:
+            if self.failure is not None:
+                raise self.failure from None  # a service failed for good: the run stops
+            raise
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
-                await asyncio.gather(watchdog, return_exceptions=True)
-            await asyncio.to_thread(stack.stop)
+            supervision.cancel()
+            await asyncio.gather(supervision, return_exceptions=True)
+            if isinstance(stack, ProcessStack):
+                await stack.stop()
+            else:
+                await asyncio.to_thread(stack.stop)
+            control.stop()
             metrics.close()
             backend.close()
         result.steps = backend.step

@@ -22,6 +22,8 @@ COMMAND_MODULES = (
     "config",
     "trajectories",
     "export",
+    "status",
+    "engines",
 )
 
 

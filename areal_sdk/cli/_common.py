@@ -57,6 +57,9 @@ USER_ERRORS = (
     ("areal_sdk.store", "StoreError", ""),
     ("sqlite3", "Error", "trajectory store: "),
     ("areal_sdk.backends.sglang.pool", "NoServerLeft", ""),
+    ("areal_sdk.services.health", "ServiceFailed", ""),
+    ("areal_sdk.services.placement", "PlacementError", ""),
+    ("areal_sdk.train_process", "TrainProcessError", ""),
 )
 
 

@@ -1,0 +1,60 @@
+"""Which placement a run uses, and what it implies for the rest of the config.
+
+``run.placement: auto`` resolves to ``processes`` when the engine or the trainer is on CUDA
+and to ``inprocess`` on CPU: on a GPU the services' Python must not share one interpreter
+(the asynchronous gain goes to the GIL, ``benchmarks/README.md``), while on a CPU the engine,
+the trainer and the agents share the same few cores whichever process they are in, and
+separate processes only add copies of the model (``benchmarks/README.md``, "Placement").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from areal_sdk.config import Config
+
+Placement = Literal["inprocess", "processes", "ray"]
+
+
+class PlacementError(ValueError):
+    """A placement the config cannot run; the message says what to change."""
+
+
+def on_cuda(cfg: Config) -> bool:
+    return cfg.inference.device.startswith("cuda") or cfg.train.device.startswith("cuda")
+
+
+def resolve_placement(cfg: Config) -> Placement:
+    if cfg.run.placement == "auto":
+        return "processes" if on_cuda(cfg) else "inprocess"
+    return cfg.run.placement
+
+
+def for_placement(cfg: Config, placement: Placement) -> Config:
+    """``cfg`` as ``placement`` runs it: in ``processes`` the trainer is a process of its own
+    and weights reach the engine servers across processes (``in_process`` becomes CUDA IPC on
+    a GPU, safetensors on disk on a CPU)."""
+    if placement == "ray":
+        raise PlacementError(
+            "run.placement=ray is not available in this version; use processes (one machine) "
+            "or inprocess"
+        )
+    if placement == "inprocess":
+        if cfg.inference.servers > 1:
+            raise PlacementError(
+                f"inference.servers={cfg.inference.servers} needs run.placement=processes "
+                "(in one process there is one engine)"
+            )
+        return cfg
+    updates: dict[str, object] = {}
+    if cfg.train.separate_process is False:
+        raise PlacementError(
+            "run.placement=processes runs the trainer in a process of its own; "
+            "remove train.separate_process=false or use run.placement=inprocess"
+        )
+    train = cfg.train.model_copy(update={"separate_process": True})
+    updates["train"] = train
+    if cfg.weights.method == "in_process":
+        method = "cuda_ipc" if cfg.train.device.startswith("cuda") else "disk"
+        updates["weights"] = cfg.weights.model_copy(update={"method": method})
+    return cfg.model_copy(update=updates)
