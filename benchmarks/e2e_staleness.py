@@ -184,12 +184,17 @@ class EngineLoadSampler:
 
 
 def run_setting(
-    work: Path, model: Path, args: argparse.Namespace, staleness: int, round_index: int = 0
+    work: Path,
+    model: Path,
+    args: argparse.Namespace,
+    staleness: int,
+    round_index: int = 0,
+    placement: str = "auto",
 ) -> dict:
     from areal_sdk.config import load_config
     from areal_sdk.training_run import TrainingRun
 
-    run_dir = work / f"run-s{staleness}-r{round_index}"
+    run_dir = work / f"run-{placement}-s{staleness}-r{round_index}"
     overrides = [
         f"model.path={model}",
         "agent.entry=bench_agent:solve",
@@ -212,6 +217,7 @@ def run_setting(
         "run.metric_sinks=[jsonl]",
         "eval.before=false",
         "eval.after=false",
+        f"run.placement={placement}",
     ]
     if args.engine_url:
         # The engine in its own process (`areal-sdk engine`), reached over SGLang's protocol.
@@ -274,6 +280,7 @@ def run_setting(
         )
     split.update(engine_window(engine_totals[args.warmup :], stamps[args.warmup :]))
     return {
+        "placement": run.placement,
         "max_staleness": staleness,
         "steps": result.steps,
         "engine": "process" if args.engine_url else "in process",
@@ -420,6 +427,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--staleness", default="0,2,4")
+    parser.add_argument(
+        "--placements",
+        default="auto",
+        help="run.placement values to compare, e.g. inprocess,processes (auto: the default)",
+    )
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=256)
@@ -483,48 +495,61 @@ def main() -> None:
     model = build_model(work / "model", args.layers)
     results = []
     settings = [int(x) for x in args.staleness.split(",")]
+    placements = args.placements.split(",")
     # Rounds alternate the settings, so a machine that slows down part-way (shared hosts do)
     # weighs on every setting alike.
     for round_index in range(args.rounds):
-        for s in settings:
-            engine = None
-            try:
-                if args.engine_process:
-                    engine, args.engine_url = start_engine(model, args)
-                row = run_setting(work, model, args, s, round_index)
-            except Exception as exc:  # one setting failing must not hide the others
-                row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
-            finally:
-                if engine is not None:
-                    stop_engine(engine)
-            row["round"] = round_index
-            print(json.dumps(row), flush=True)
-            results.append(row)
+        for placement in placements:
+            for s in settings:
+                engine = None
+                try:
+                    if args.engine_process:
+                        engine, args.engine_url = start_engine(model, args)
+                    row = run_setting(work, model, args, s, round_index, placement)
+                except Exception as exc:  # one setting failing must not hide the others
+                    row = {"max_staleness": s, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    if engine is not None:
+                        stop_engine(engine)
+                row["round"] = round_index
+                row["placement_asked"] = placement
+                print(json.dumps(row), flush=True)
+                results.append(row)
     for r in results:
         base = next(
             (
                 b
                 for b in results
-                if b["round"] == r["round"] and b.get("max_staleness") == 0 and b.get("s_per_step")
+                if b["round"] == r["round"]
+                and b["placement_asked"] == r["placement_asked"]
+                and b.get("max_staleness") == 0
+                and b.get("s_per_step")
             ),
             None,
         )
         if base and r.get("s_per_step"):
             r["speedup_vs_sync"] = base["s_per_step"] / r["s_per_step"]
-    by_setting = {}
-    for s in settings:
-        times = [
-            r["s_per_step"] for r in results if r["max_staleness"] == s and r.get("s_per_step")
-        ]
-        if times:
-            by_setting[s] = {
-                "s_per_step_mean": statistics.fmean(times),
-                "s_per_step_stdev": statistics.stdev(times) if len(times) > 1 else 0.0,
-                "rounds": len(times),
-            }
-    if 0 in by_setting:
-        for entry in by_setting.values():
-            entry["speedup_of_means"] = by_setting[0]["s_per_step_mean"] / entry["s_per_step_mean"]
+    by_setting: dict[str, dict[str, float]] = {}
+    for placement in placements:
+        for s in settings:
+            times = [
+                r["s_per_step"]
+                for r in results
+                if r["max_staleness"] == s
+                and r["placement_asked"] == placement
+                and r.get("s_per_step")
+            ]
+            if times:
+                by_setting[f"{placement}/s{s}"] = {
+                    "s_per_step_mean": statistics.fmean(times),
+                    "s_per_step_stdev": statistics.stdev(times) if len(times) > 1 else 0.0,
+                    "rounds": len(times),
+                }
+        sync = by_setting.get(f"{placement}/s0")
+        if sync:
+            for key, entry in by_setting.items():
+                if key.startswith(f"{placement}/"):
+                    entry["speedup_of_means"] = sync["s_per_step_mean"] / entry["s_per_step_mean"]
     summary = {
         "args": vars(args) | {"json": str(args.json), "profile_dir": str(args.profile_dir)},
         "results": results,
