@@ -13,6 +13,7 @@ from areal_sdk.cli._common import add_config_arguments, console, fail
 
 if TYPE_CHECKING:
     from areal_sdk.checkpoints import Checkpoint
+    from areal_sdk.services.health import ServiceState
     from areal_sdk.training_run import RunResult, TrainingRun
 
 # What a cluster scheduler sends before it kills, and Ctrl-C: both stop the run cleanly.
@@ -44,6 +45,26 @@ def _kept(checkpoint: Checkpoint | None, steps: int) -> str:
     if checkpoint is None or checkpoint.step == 0:
         return "no step trained yet, nothing to checkpoint"
     return f"checkpoint of step {checkpoint.step}/{steps} kept ({checkpoint.path})"
+
+
+_SERVICE_LABELS = {
+    "engine": "engines",
+    "gateway": "gateway",
+    "rollout_worker": "workers",
+    "trainer": "trainer",
+}
+
+
+def _services_up(states: list[ServiceState]) -> str:
+    """``engines 2/2  gateway 1/1  workers 1/2  trainer 1/1``: services up of those wanted."""
+    from areal_sdk.services.health import count_up
+
+    counts = count_up(states)
+    return "  ".join(
+        f"{label} {counts[kind][0]}/{counts[kind][1]}"
+        for kind, label in _SERVICE_LABELS.items()
+        if kind in counts
+    )
 
 
 async def _run_until_signalled(run: TrainingRun) -> RunResult:
@@ -92,6 +113,8 @@ def train(args: argparse.Namespace) -> int:
             f"{_fmt(m.get('rollout/tokens_per_s'), '.0f')} tok/s  "
             f"loss {_fmt(m.get('loss'), '.4f')}  v{report.version}"
         )
+        if run.placement == "processes":
+            stats += "  " + _services_up(run.services())
         progress.update(bar, completed=report.step, stats=stats)
         if not console.is_terminal:
             console.print(f"step {report.step}/{cfg.run.steps}  {stats}", highlight=False)
