@@ -209,7 +209,6 @@ class LocalStack:
         self._gateway: ServerThread | None = None
         self._gateway_state: Gateway | None = None
         self.url = ""
-        self.runner = None  # agents run in this process (the controller's own runner)
         self._engine_state = ServiceState(kind=ServiceKind.ENGINE, name="engine")
         self._gateway_service = ServiceState(kind=ServiceKind.GATEWAY, name="gateway")
 
@@ -252,6 +251,10 @@ class LocalStack:
         self._engine_state.enter(Phase.UP)
         self._gateway_service.url = self.url
         self._gateway_service.enter(Phase.UP)
+
+    def runner(self, agent_kwargs: dict[str, Any]) -> None:
+        """None: the controller runs the agent in this process."""
+        return None
 
     async def supervise(self) -> None:
         """Rebuild the engine when it dies (``SupervisedEngine``); the gateway is a thread of

@@ -286,7 +286,7 @@ class TrainingRun:
             host=self.host,
             group_size=group_size,
             agent_kwargs=agent_kwargs,
-            **({"runner": stack.runner} if stack.runner is not None else {}),
+            runner=stack.runner(agent_kwargs),
         )
 
     def services(self) -> list[ServiceState]:

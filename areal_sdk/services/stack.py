@@ -73,8 +73,8 @@ class ProcessStack:
     """Engine servers, the gateway and the rollout workers as supervised processes.
 
     The surface ``TrainingRun`` uses is ``LocalStack``'s: ``engine`` (the client over every
-    engine server, for weight pushes), ``url``, ``sessions(run_id)``, plus ``runner`` (where
-    the controllers run agents), ``supervise(trainer)`` and ``states()``.
+    engine server, for weight pushes), ``url``, ``sessions(run_id)``, ``runner(kwargs)``
+    (where a controller runs the agent), ``supervise()`` and ``states()``.
     """
 
     def __init__(
@@ -100,7 +100,7 @@ class ProcessStack:
         self.url = address.url
         self.fleet: Any = None
         self.gateway: Any = None
-        self.runner: Any = None
+        self.workers: Any = None
         self._forwarding: set[asyncio.Task[None]] = set()
 
     @property
@@ -129,9 +129,10 @@ class ProcessStack:
             servers=servers,
             policy=self.policy,
             heartbeat_timeout_s=beat,
-            on_event=self.on_event,
+            on_event=self._service_event,
         )
-        urls = await asyncio.to_thread(self.fleet.start)
+        await asyncio.to_thread(self.fleet.start)
+        urls = self.fleet.urls
         self.on_event("starting the gateway process")
         self.gateway = GatewayProcess(
             cfg,
@@ -143,13 +144,14 @@ class ProcessStack:
             sock=self.address.sock,
             policy=self.policy,
             heartbeat_timeout_s=beat,
-            on_event=self.on_event,
+            on_event=self._service_event,
         )
-        self.url = await asyncio.to_thread(self.gateway.start)
+        await asyncio.to_thread(self.gateway.start)
+        self.url = self.gateway.url
         self.fleet.on_change = self._forward_engines
         workers = cfg.rollout.workers
         self.on_event(f"starting {workers} rollout worker{'s' if workers != 1 else ''}")
-        self.runner = AgentWorkerPool(
+        self.workers = AgentWorkerPool(
             cfg.agent.entry or "",
             workers=workers,
             search_path=self.search_path,
@@ -160,7 +162,14 @@ class ProcessStack:
             policy=self.policy,
             on_event=self.on_event,
         )
-        await self.runner.start()
+        await self.workers.start()
+
+    def _service_event(self, _state: ServiceState, message: str) -> None:
+        self.on_event(message)
+
+    def runner(self, agent_kwargs: dict[str, Any]) -> Any:
+        """Where a controller runs the agent: the worker processes, with its kwargs."""
+        return self.workers.runner(agent_kwargs)
 
     def _forward_engines(self, urls: list[str], version: int) -> None:
         """The fleet's members changed (a restart, an added or removed server): tell the
@@ -178,7 +187,7 @@ class ProcessStack:
     async def after_weight_push(self, version: int) -> None:
         """The gateway's router learns the version every live server now serves, so a
         server it took out of rotation rejoins only once it serves this version."""
-        await self._set_gateway_engines(self.fleet.live_urls(), version)
+        await self._set_gateway_engines(self.fleet.urls, version)
 
     def sessions(self, run_id: str) -> Any:
         from areal_sdk.services.http_sessions import HttpSessions
@@ -190,11 +199,11 @@ class ProcessStack:
         async with asyncio.TaskGroup() as group:
             group.create_task(self.fleet.watch())
             group.create_task(self.gateway.watch())
-            group.create_task(self.runner.watch())
+            group.create_task(self.workers.watch())
 
     def states(self) -> list[ServiceState]:
         out: list[ServiceState] = []
-        for part in (self.fleet, self.gateway, self.runner):
+        for part in (self.fleet, self.gateway, self.workers):
             if part is not None:
                 out += part.states()
         return out
@@ -209,8 +218,8 @@ class ProcessStack:
         """Workers first (no new calls), then the gateway, then the engines; each bounded."""
         for task in list(self._forwarding):
             task.cancel()
-        if self.runner is not None:
-            await self.runner.close()
+        if self.workers is not None:
+            await self.workers.close()
         if self.gateway is not None:
             await asyncio.to_thread(self.gateway.stop)
         if self.fleet is not None:
