@@ -237,11 +237,13 @@ class RolloutController:
 
     Admission control (bounded staleness) is the caller's: the training loop admits a whole
     group before calling ``run_group``, and passes the version it started under as metadata.
+    ``runner`` runs the agent elsewhere (``AgentWorkerPool.runner()``); ``agent`` may then be
+    None.
     """
 
     def __init__(
         self,
-        agent: Callable[..., Any],
+        agent: Callable[..., Any] | None,
         sessions: SessionClient,
         *,
         group_size: int = 1,
@@ -262,14 +264,18 @@ class RolloutController:
         self.agent_kwargs = agent_kwargs or {}
         self.on_episode = on_episode
         self._slots = asyncio.Semaphore(concurrency)
-        self.runner: AgentRunner = runner or InProcessRunner(agent, self.agent_kwargs)
+        if runner is None:
+            if agent is None:
+                raise TypeError("RolloutController needs an agent or a runner")
+            runner = InProcessRunner(agent, self.agent_kwargs)
+        self.runner: AgentRunner = runner
         self.no_model_call = 0  # episodes failed for want of a captured model call
 
     @classmethod
     def from_config(
         cls,
         cfg: Config,
-        agent: Callable[..., Any],
+        agent: Callable[..., Any] | None,
         sessions: SessionClient,
         *,
         host: PluginHost,

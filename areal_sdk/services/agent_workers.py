@@ -166,14 +166,18 @@ class AgentWorkerPool:
                 )
                 if not done or any(f.result() is not None for f in done):
                     break  # out of time, or one cannot start: say why below
-            for w in self._workers:
-                if w.ready.done() and w.ready.result() is not None:
-                    why = w.ready.result()
-                elif not w.ready.done():
-                    why = f"did not start within {self.start_timeout_s:g} s"
-                else:
-                    continue
-                raise LaunchError(f"{w.label} {why} (log: {self._log_path(w.index)})")
+            # Why the first that cannot start cannot, else which did not in time.
+            failed = [w for w in self._workers if w.ready.done() and w.ready.result()]
+            late = [w for w in self._workers if not w.ready.done()]
+            if failed:
+                w = failed[0]
+                raise LaunchError(f"{w.label} {w.ready.result()} (log: {self._log_path(w.index)})")
+            if late:
+                w = late[0]
+                raise LaunchError(
+                    f"{w.label} did not start within {self.start_timeout_s:g} s "
+                    f"(log: {self._log_path(w.index)})"
+                )
         except BaseException:
             await self.close()
             raise
