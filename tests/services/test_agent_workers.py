@@ -176,6 +176,36 @@ def test_a_killed_worker_fails_its_episode_alone_and_is_replaced(agent_dir, gate
     assert len(later.ok) == 4 and state.pid in {e.metadata["pid"] for e in later.episodes}
 
 
+def test_a_stalled_worker_is_killed_and_replaced(agent_dir, gateway):
+    release = agent_dir.parent / "release"
+    hold = agent_dir.parent / "hold"
+    events: list[str] = []
+
+    async def scenario():
+        async with running_pool(agent_dir, gateway, workers=1, on_event=events.append) as (
+            pool,
+            _,
+        ):
+            run = controller(pool, gateway)
+            task = {"id": "held", "n": 1, "hold": str(hold), "release": str(release)}
+            held = asyncio.create_task(run.run_one(task, "g"))
+            await until(hold.exists, 60, "the episode held")
+            stalled_pid = pool.states()[0].pid
+            os.kill(stalled_pid, signal.SIGSTOP)  # alive, silent
+            [lost] = await asyncio.wait_for(held, 30)
+            state = pool.states()[0]
+            await until(lambda: state.phase == Phase.UP, 90, "the replacement up")
+            release.write_text("")
+            later = await run.run(tasks(range(2)))
+            return stalled_pid, lost, state, later
+
+    stalled_pid, lost, state, later = asyncio.run(scenario())
+    assert lost.status == "failed"
+    assert lost.error.startswith("rollout worker 0 stalled (no heartbeat for ")
+    assert events[0].startswith("rollout worker 0 stalled") and not _alive(stalled_pid)
+    assert state.pid != stalled_pid and len(later.ok) == 2
+
+
 def test_a_worker_that_keeps_dying_stops_the_run(agent_dir, gateway):
     async def scenario():
         policy = RestartPolicy(max_restarts=3, window_s=300)
