@@ -3,21 +3,23 @@
 Each agent call gets a gateway session opened *before* the agent starts (so no HTTP happens
 inside the user's code path), runs with a timeout, and is closed afterwards: the gateway
 hands the episode with its turns to the store, which commits it before the call returns.
-A failed or timed-out call becomes a failed episode; it never stops the run.
+A failed or timed-out call becomes a failed episode; it never stops the run. Where the agent
+runs is an ``AgentRunner``: this process by default, or worker processes
+(``areal_sdk.services.agent_workers``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-import functools
 import logging
 import math
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,6 +92,86 @@ class _ControllerScope(RolloutScope):
         """Nothing to do here: the controller ends the session after the call returns."""
 
 
+class AgentRunner(Protocol):
+    """Where the agent runs: in this process (``InProcessRunner``) or in a worker process
+    (``areal_sdk.services.agent_workers.AgentWorkerPool``)."""
+
+    async def call(
+        self, task: Any, ctx: EpisodeContext, *, timeout_s: float
+    ) -> tuple[Any, str | None]:
+        """Run the agent on ``task`` inside the episode ``ctx``; return its return value and
+        ``None``, or ``None`` and why it failed (an error, a timeout). Whatever the agent
+        does to the episode (status, reward, metadata) is on ``ctx`` when this returns."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+async def in_abandonable_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on a daemon thread of its own, in the caller's context.
+
+    A caller that stops waiting (a timeout) abandons the thread: it holds no slot that a
+    later call needs, as a hung call on a pool's thread would, and it never keeps the
+    interpreter from exiting, as a pool's threads do (they are joined at exit).
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if done.done():  # the caller gave up on it
+            return
+        if error is None:
+            done.set_result(value)
+        else:
+            done.set_exception(error)
+
+    def target() -> None:
+        value, error = None, None
+        try:
+            value = context.run(fn, *args, **kwargs)
+        except BaseException as exc:  # handed to the caller, whatever it is
+            error = exc
+        # A closed loop raises RuntimeError: nobody waits for this call any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=target, name="areal-agent", daemon=True).start()
+    return await done
+
+
+class InProcessRunner:
+    """The agent in this process: async agents on the running loop, sync agents on threads
+    that a timeout abandons (``in_abandonable_thread``)."""
+
+    def __init__(self, agent: Callable[..., Any], agent_kwargs: dict[str, Any] | None = None):
+        self.agent = agent
+        self.agent_kwargs = agent_kwargs or {}
+        self._scope = _ControllerScope()
+
+    async def call(
+        self, task: Any, ctx: EpisodeContext, *, timeout_s: float
+    ) -> tuple[Any, str | None]:
+        token = _prepared.set(ctx)
+        try:
+            with rollout_scope(self._scope):
+                if asyncio.iscoroutinefunction(self.agent):
+                    call = self.agent(task, **self.agent_kwargs)
+                else:
+                    call = in_abandonable_thread(self.agent, task, **self.agent_kwargs)
+                result = await asyncio.wait_for(call, timeout=timeout_s)
+        except TimeoutError:
+            return None, f"TimeoutError: agent did not finish within {timeout_s:g} s"
+        except Exception as exc:  # the traced wrapper records agent errors; this is ours
+            return None, f"{type(exc).__name__}: {exc}"
+        finally:
+            _prepared.reset(token)
+        return result, None
+
+    async def close(self) -> None:
+        """Nothing to release: an abandoned thread ends with its call or with the process."""
+
+
 @dataclass
 class RolloutSummary:
     """What a rollout pass did, as printed at its end."""
@@ -155,11 +237,13 @@ class RolloutController:
 
     Admission control (bounded staleness) is the caller's: the training loop admits a whole
     group before calling ``run_group``, and passes the version it started under as metadata.
+    ``runner`` runs the agent elsewhere (``AgentWorkerPool.runner()``); ``agent`` may then be
+    None.
     """
 
     def __init__(
         self,
-        agent: Callable[..., Any],
+        agent: Callable[..., Any] | None,
         sessions: SessionClient,
         *,
         group_size: int = 1,
@@ -169,6 +253,7 @@ class RolloutController:
         reward_fn: RewardFn | None = None,
         agent_kwargs: dict[str, Any] | None = None,
         on_episode: EpisodeCallback | None = None,
+        runner: AgentRunner | None = None,
     ) -> None:
         self.agent = agent
         self.sessions = sessions
@@ -179,26 +264,28 @@ class RolloutController:
         self.agent_kwargs = agent_kwargs or {}
         self.on_episode = on_episode
         self._slots = asyncio.Semaphore(concurrency)
-        self._scope = _ControllerScope()
-        # Synchronous agents run on threads of their own: asyncio's default executor has
-        # only cpu_count + 4 workers, which would cap concurrency far below the setting.
-        self._pool: ThreadPoolExecutor | None = None
-        self._concurrency = concurrency
+        if runner is None:
+            if agent is None:
+                raise TypeError("RolloutController needs an agent or a runner")
+            runner = InProcessRunner(agent, self.agent_kwargs)
+        self.runner: AgentRunner = runner
         self.no_model_call = 0  # episodes failed for want of a captured model call
 
     @classmethod
     def from_config(
         cls,
         cfg: Config,
-        agent: Callable[..., Any],
+        agent: Callable[..., Any] | None,
         sessions: SessionClient,
         *,
         host: PluginHost,
         group_size: int | None = None,
         agent_kwargs: dict[str, Any] | None = None,
+        runner: AgentRunner | None = None,
     ) -> RolloutController:
         """The controller the ``rollout`` section describes, with ``agent.reward`` looked up
-        in ``host``; ``group_size`` and ``agent_kwargs`` default to the config's."""
+        in ``host``; ``group_size`` and ``agent_kwargs`` default to the config's. ``runner``
+        runs the agent elsewhere (worker processes), given ``agent_kwargs`` already."""
         reward = host.reward_function(cfg.agent.reward) if cfg.agent.reward else None
         return cls(
             agent,
@@ -209,12 +296,8 @@ class RolloutController:
             retries=cfg.rollout.retries,
             reward_fn=reward,
             agent_kwargs=dict(cfg.agent.kwargs) if agent_kwargs is None else agent_kwargs,
+            runner=runner,
         )
-
-    def _threads(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="areal-agent")
-        return self._pool
 
     async def run(self, tasks: Sequence[dict[str, Any]], *, progress: Any = None) -> RolloutSummary:
         """Every task ``group_size`` times; returns when all episodes are stored."""
@@ -275,7 +358,7 @@ class RolloutController:
             ctx = EpisodeContext(
                 episode=episode, name="agent", base_url=self.sessions.base_url, api_key=api_key
             )
-            result, error = await self._call_agent(task, ctx)
+            result, error = await self.runner.call(task, ctx, timeout_s=self.timeout_s)
             self._finalize(ctx, task, result, error)
             try:
                 stored = await self.sessions.end(ctx)
@@ -296,29 +379,6 @@ class RolloutController:
         self.no_model_call += 1
         if self.no_model_call == 1:  # once per controller: the reason is the same every time
             log.warning("episode %s failed: %s", episode.id, NO_MODEL_CALL)
-
-    async def _call_agent(
-        self, task: dict[str, Any], ctx: EpisodeContext
-    ) -> tuple[Any, str | None]:
-        token = _prepared.set(ctx)
-        try:
-            with rollout_scope(self._scope):
-                if asyncio.iscoroutinefunction(self.agent):
-                    call = self.agent(task, **self.agent_kwargs)
-                else:
-                    # The copied context carries the episode into the agent's thread.
-                    run = functools.partial(
-                        contextvars.copy_context().run, self.agent, task, **self.agent_kwargs
-                    )
-                    call = asyncio.get_running_loop().run_in_executor(self._threads(), run)
-                result = await asyncio.wait_for(call, timeout=self.timeout_s)
-        except TimeoutError:
-            return None, f"TimeoutError: agent did not finish within {self.timeout_s:g} s"
-        except Exception as exc:  # the traced wrapper records agent errors; this is ours
-            return None, f"{type(exc).__name__}: {exc}"
-        finally:
-            _prepared.reset(token)
-        return result, None
 
     def _finalize(
         self, ctx: EpisodeContext, task: dict[str, Any], result: Any, error: str | None
