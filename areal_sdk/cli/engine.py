@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 from areal_sdk.cli._common import console, fail
 
@@ -45,6 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="the name /get_model_info reports"
     )
+    parser.add_argument(
+        "--weight-version",
+        type=int,
+        default=0,
+        help="the weight version the loaded model serves as (default 0)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -57,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     len_ok = args.max_model_len is None or args.max_model_len >= 16
     if args.max_batch_size < 1 or not len_ok or not chunk_ok:
         return fail("--max-batch-size and --prefill-chunk must be >= 1, --max-model-len >= 16")
+    if args.weight_version < 0:
+        return fail(f"--weight-version must be >= 0, got {args.weight_version}")
     if args.device.startswith("cuda"):
         import torch
 
@@ -64,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
             return fail("--device cuda was asked for, but torch sees no CUDA device")
 
     import uvicorn
+
+    from areal_sdk.services.orphan import exit_with_parent
+
+    exit_with_parent()  # started by an engine fleet: never outlive it
+    # SIGTERM ends the server cleanly (exit 0): uvicorn finishes its shutdown, then hands the
+    # signal back to this handler.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
 
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
     from areal_sdk.backends.embedded.server import KEEP_ALIVE_S, create_app
@@ -79,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 dtype=args.dtype,
                 model_name=args.served_model_name,
+                version=args.weight_version,
                 config=EngineConfig(
                     max_batch_size=args.max_batch_size,
                     max_model_len=args.max_model_len,
@@ -90,11 +107,21 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
     )
-    uvicorn.run(
-        create_app(engine),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_keep_alive=KEEP_ALIVE_S,
-    )
+    try:
+        uvicorn.run(
+            create_app(engine),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_S,
+            # Requests still generating at a SIGTERM get this long, then the server exits.
+            timeout_graceful_shutdown=5,
+        )
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

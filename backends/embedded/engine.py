@@ -183,8 +183,10 @@ class EmbeddedEngine(InferenceBackend):
         config: EngineConfig | None = None,
         model_name: str | None = None,
         tokenizer: str | None = None,
+        version: int = 0,
     ) -> EmbeddedEngine:
-        """Load a local HF directory, a .gguf file or a registry name (``areal_sdk.models``)."""
+        """Load a local HF directory, a .gguf file or a registry name (``areal_sdk.models``);
+        ``version`` labels the loaded weights (a checkpoint of step N serves as version N)."""
         from areal_sdk.models import load_model
 
         loaded = load_model(model, device=device, dtype=dtype, tokenizer=tokenizer)
@@ -194,6 +196,7 @@ class EmbeddedEngine(InferenceBackend):
             config=config,
             model_name=model_name or loaded.name,
             model_path=str(loaded.path),
+            version=version,
         )
 
     # -- public API -------------------------------------------------------------------------

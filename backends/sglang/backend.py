@@ -63,9 +63,8 @@ class SGLangBackend(InferenceBackend):
         launcher: SGLangLauncher | None = None,
     ) -> None:
         self.timeout_s = timeout_s
-        self.pool = ServerPool(
-            [Server(ServerClient(u, timeout_s=timeout_s, retries=retries)) for u in urls]
-        )
+        self.retries = retries
+        self.pool = ServerPool([Server(self._client(u)) for u in urls])
         self.router = (
             ServerClient(router_url, timeout_s=timeout_s, retries=retries) if router_url else None
         )
@@ -134,6 +133,39 @@ class SGLangBackend(InferenceBackend):
             if self.router is not None:
                 for server in self.pool.live:
                     _register_worker(http, self.router.url, server.url)
+
+    # -- membership (servers joining and leaving a running job) -----------------------------
+
+    def set_servers(self, urls: list[str], version: int) -> None:
+        """Serve from exactly ``urls`` from now on, at weight ``version``. New URLs join
+        rotation (the caller guarantees they serve ``version``), known ones are marked alive,
+        and the others leave it: they get no new request, while the ones running finish."""
+        wanted = [u.rstrip("/") for u in urls]
+        for server in list(self.pool.servers):
+            if server.url not in wanted:
+                self.pool.remove(server.url)
+        for url in wanted:
+            self.add_server(url)
+        self._version = int(version)
+
+    def add_server(self, url: str) -> None:
+        """Put the server at ``url`` in rotation; it must serve ``self.version`` already."""
+        self.pool.add(Server(self._client(url)))
+
+    def remove_server(self, url: str) -> None:
+        """Take the server at ``url`` out of rotation; its running requests finish."""
+        self.pool.remove(url)
+
+    def servers(self) -> list[dict[str, Any]]:
+        """Each server in the pool: url, alive (in rotation), in_flight (this client's
+        requests running there) and its last error."""
+        return [
+            {"url": s.url, "alive": s.alive, "in_flight": s.in_flight, "error": s.error}
+            for s in self.pool.servers
+        ]
+
+    def _client(self, url: str) -> ServerClient:
+        return ServerClient(url, timeout_s=self.timeout_s, retries=self.retries)
 
     # -- InferenceBackend -------------------------------------------------------------------
 

@@ -5,6 +5,9 @@ request with an affinity key goes where that key went before; a new key (or one 
 server died) goes to the live server with the fewest requests in flight. The key is the
 part of the request id before the first ``":"`` (``"<episode>:<turn>"``), or the whole id.
 Requests without an id are spread by load alone.
+
+Membership can change while requests run (``add``, ``remove``): a removed server gets no
+new request, the requests it is running finish, and its keys move to a live server.
 """
 
 from __future__ import annotations
@@ -67,6 +70,27 @@ class ServerPool:
             self._sticky[key] = server
             while len(self._sticky) > MAX_KEYS:
                 self._sticky.popitem(last=False)
+        return server
+
+    def find(self, url: str) -> Server | None:
+        url = url.rstrip("/")
+        return next((s for s in self.servers if s.url == url), None)
+
+    def add(self, server: Server) -> None:
+        """Put ``server`` in rotation (a member with its URL already is marked alive)."""
+        known = self.find(server.url)
+        if known is None:
+            self.servers.append(server)
+        else:
+            self.mark_alive(known)
+
+    def remove(self, url: str) -> Server | None:
+        """Take the server at ``url`` out of the pool. It is marked not alive, so requests
+        running on it finish but no request (and no sticky key) picks it again."""
+        server = self.find(url)
+        if server is not None:
+            self.servers.remove(server)
+            self.mark_dead(server, "removed")
         return server
 
     def mark_dead(self, server: Server, error: str) -> None:
