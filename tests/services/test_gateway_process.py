@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from areal_sdk.config import Config
-from areal_sdk.server_thread import bind_tcp
+from areal_sdk.gateway import create_app
+from areal_sdk.server_thread import ServerThread, bind_tcp
 from areal_sdk.services.gateway_process import GatewayProcess
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceFailed
 from areal_sdk.services.http_sessions import GATEWAY_LOST_SESSION, HttpSessions
@@ -254,3 +255,95 @@ async def test_admin_engines_route_needs_the_token_and_a_good_body(run: Run) -> 
             r = await http.put(route, json=body, headers=admin)
             assert r.status_code == 422, body
             assert r.json()["error"]["param"] == param, body
+
+
+class FixedEngine:
+    """A stand-in engine, in process, that serves a fixed set of servers (no HTTP)."""
+
+    version = 2
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+
+    async def health(self) -> dict[str, object]:
+        return {"status": "ok"}
+
+
+class ElasticEngine(FixedEngine):
+    """A stand-in for an engine over servers' URLs that can change them."""
+
+    def __init__(self, tokenizer: object) -> None:
+        super().__init__(tokenizer)
+        self.urls = ["http://127.0.0.1:30000"]
+
+    def servers(self) -> list[str]:
+        return list(self.urls)
+
+    async def set_servers(self, urls: list[str], version: int) -> None:
+        if version != self.version:
+            raise ValueError(f"the servers serve version {self.version}, not {version}")
+        self.urls = list(urls)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def _serve(engine: object) -> ServerThread:
+    from tests.gateway.conftest import gateway_host
+
+    app = create_app(engine, admin_token=ADMIN, host=gateway_host())  # type: ignore[arg-type]
+    return ServerThread(app, name="gateway")
+
+
+def test_put_admin_engines_hands_the_engine_its_new_servers(tokenizer: object) -> None:
+    engine = ElasticEngine(tokenizer)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    urls = ["http://127.0.0.1:30000", "http://127.0.0.1:30001/"]
+    with _serve(engine) as server:
+        route = server.url + "/rl/admin/engines"
+        r = httpx.put(route, json={"servers": urls, "version": 2}, headers=admin)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"servers": [u.rstrip("/") for u in urls], "version": 2}
+        assert engine.urls == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+        assert httpx.get(route, headers=admin).json()["servers"] == engine.urls
+        # A server at another weight version is refused by the engine: 400, nothing changes.
+        r = httpx.put(route, json={"servers": urls[:1], "version": 5}, headers=admin)
+        assert r.status_code == 400 and "version 2, not 5" in r.json()["error"]["message"]
+        assert len(engine.urls) == 2
+
+
+def test_admin_engines_on_an_engine_with_fixed_servers_is_a_conflict(tokenizer: object) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with _serve(FixedEngine(tokenizer)) as server:
+        route = server.url + "/rl/admin/engines"
+        r = httpx.put(route, json={"servers": ["http://127.0.0.1:1"], "version": 0}, headers=admin)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+        assert httpx.get(route, headers=admin).status_code == 409
+
+
+STORE_WRITER = """
+import sys
+from areal_sdk.store import TrajectoryStore
+from areal_sdk.trajectory import Episode
+
+store = TrajectoryStore(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    store.append(Episode(task_id=f"{sys.argv[2]}-{i}"), run_id="train")
+"""
+
+
+def test_two_processes_write_one_store_at_once(tmp_path: Path) -> None:
+    """The gateway process stores episodes while the run's process stores failed ones."""
+    path = tmp_path / "trajectories.db"
+    TrajectoryStore(path).close()
+    writers = [
+        subprocess.Popen([sys.executable, "-c", STORE_WRITER, str(path), name, "40"])
+        for name in ("gateway", "run")
+    ]
+    assert [w.wait(120) for w in writers] == [0, 0]
+    with TrajectoryStore(path) as store:
+        assert store.count() == 80
