@@ -347,3 +347,51 @@ def test_two_processes_write_one_store_at_once(tmp_path: Path) -> None:
     assert [w.wait(120) for w in writers] == [0, 0]
     with TrajectoryStore(path) as store:
         assert store.count() == 80
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from areal_sdk.config import Config
+from areal_sdk.server_thread import bind_tcp
+from areal_sdk.services.gateway_process import GatewayProcess
+
+run = Path(sys.argv[2])
+cfg = Config.model_validate({"model": {"path": sys.argv[1]}, "inference": {"backend": "sglang"}})
+gateway = GatewayProcess(
+    cfg, run_dir=run, store_path=run / "trajectories.db", engine_urls=[sys.argv[3]],
+    version=0, admin_token="t", sock=bind_tcp("127.0.0.1", 0),
+).start()
+print(gateway.state.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"  # dead, waiting for whoever adopted it to reap it
+
+
+@pytest.mark.slow
+def test_the_gateway_dies_with_its_parent(
+    tiny_model_dir: Path, tmp_path: Path, engine_url: str
+) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tiny_model_dir), str(tmp_path), engine_url],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child = int(parent.stdout.readline())  # type: ignore[union-attr]
+        assert not _gone(child)
+        parent.kill()  # kill -9: no atexit, no cleanup of its own
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while not _gone(child):
+            assert time.monotonic() < deadline, "the gateway outlived its parent"
+            time.sleep(0.2)
+    finally:
+        parent.kill()
