@@ -263,13 +263,15 @@ class GatewayProcess:
     async def _restart(self, http: httpx.AsyncClient, why: str) -> None:
         """Kill and start again, counting each failure (a restart that fails included)
         against the policy, which raises ``ServiceFailed`` when it gives up."""
-        while True:
+        while not self._stopping:
             self._reap()
             log.warning("the gateway %s; restarting it", why)
             self._event(f"{self.state.name} {why}")
             self.policy.record_failure(self.state, why)  # raises ServiceFailed past the budget
             self._spawn()
             failed = await self._wait_ready(http)
+            if self._stopping:  # stop() killed the new gateway: no failure of its own
+                return
             if failed is None:
                 self.state.enter(Phase.UP)
                 self._event(f"{self.state.name} restarted (pid {self.state.pid})")

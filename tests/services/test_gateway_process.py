@@ -25,7 +25,11 @@ from areal_sdk.gateway import create_app
 from areal_sdk.server_thread import ServerThread, bind_tcp
 from areal_sdk.services.gateway_process import GatewayProcess
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceFailed
-from areal_sdk.services.http_sessions import GATEWAY_LOST_SESSION, HttpSessions
+from areal_sdk.services.http_sessions import (
+    GATEWAY_LOST_SESSION,
+    GatewayUnavailable,
+    HttpSessions,
+)
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.tracing import EpisodeContext
 from areal_sdk.trajectory import Episode, EpisodeStatus
@@ -165,12 +169,24 @@ async def test_an_episode_over_http_sessions_is_stored_with_its_turns(run: Run) 
     ctx.turn_rewards[live["turns"][0]["id"]] = 0.25  # areal.reward(0.25, turn=...)
     ctx.episode.reward = 1.0
     stored = await run.sessions.end(ctx)
-    await run.sessions.aclose()
     assert stored.status == EpisodeStatus.OK and stored.reward == 1.0
     assert len(stored.turns) == 1 and stored.turns[0].completion_ids
     assert stored.turns[0].reward == 0.25
     assert stored.metadata["run_id"] == "train"
     assert run.store.get(ctx.id).turns[0].prompt_ids == stored.turns[0].prompt_ids
+    # An agent that ends its own session: that end stands, a reward given after is unused.
+    ctx, client = await _open(run, "t-self-ended")
+    await _chat(client)
+    r = httpx.post(
+        f"{run.gateway.url}/rl/sessions/{ctx.id}/end",
+        json={"reward": 0.3},
+        headers={"Authorization": f"Bearer {ctx.api_key}"},
+    )
+    assert r.status_code == 200
+    ctx.episode.reward = 1.0
+    stored = await run.sessions.end(ctx)
+    assert stored.status == EpisodeStatus.OK and stored.reward == 0.3 and len(stored.turns) == 1
+    await run.sessions.aclose()
     log = (run.dir / "services" / "gateway.log").read_text()
     assert "starting the gateway" in log
 
@@ -395,3 +411,22 @@ def test_the_gateway_dies_with_its_parent(
             time.sleep(0.2)
     finally:
         parent.kill()
+
+
+async def test_an_episode_whose_gateway_is_down_fails_alone_and_is_stored(
+    tmp_path: Path,
+) -> None:
+    port = _free_port()  # nothing listens there
+    with TrajectoryStore(tmp_path / "trajectories.db") as store:
+        sessions = HttpSessions(f"http://127.0.0.1:{port}", ADMIN, store, open_wait_s=0.5)
+        episode = Episode(task_id="t-down")
+        with pytest.raises(GatewayUnavailable, match="did not answer within 0.5 s"):
+            await sessions.open(episode)
+        ctx = EpisodeContext(episode=episode, name="agent", api_key="k")
+        episode.error = "APIConnectionError: Connection error."
+        stored = await sessions.end(ctx)
+        await sessions.aclose()
+        assert stored.status == EpisodeStatus.FAILED
+        assert stored.error.startswith(GATEWAY_LOST_SESSION)
+        assert "APIConnectionError" in stored.error  # the agent's own error, after it
+        assert store.get(episode.id).status == EpisodeStatus.FAILED
