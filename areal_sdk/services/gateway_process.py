@@ -107,6 +107,7 @@ class GatewayProcess:
         self.log_path = services / f"{name}.log"
         self.config_path = services / f"{name}.yaml"
         self.config_path.write_text(cfg.to_yaml())
+        self.config_path.chmod(0o600)  # agent.kwargs may hold a judge's API key
         self._process: subprocess.Popen[bytes] | None = None
         self._lifeline: Lifeline | None = None
         self._stopping = False

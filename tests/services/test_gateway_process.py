@@ -22,6 +22,7 @@ import pytest
 
 from areal_sdk.config import Config
 from areal_sdk.gateway import create_app
+from areal_sdk.launcher import LaunchError
 from areal_sdk.server_thread import ServerThread, bind_tcp
 from areal_sdk.services.gateway_process import GatewayProcess
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceFailed
@@ -430,3 +431,25 @@ async def test_an_episode_whose_gateway_is_down_fails_alone_and_is_stored(
         assert stored.error.startswith(GATEWAY_LOST_SESSION)
         assert "APIConnectionError" in stored.error  # the agent's own error, after it
         assert store.get(episode.id).status == EpisodeStatus.FAILED
+
+
+@pytest.mark.slow
+def test_a_gateway_that_exits_while_starting_fails_with_its_log(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    nowhere = f"http://127.0.0.1:{_free_port()}"  # no engine server there
+    with bind_tcp("127.0.0.1", 0) as sock:
+        gateway = GatewayProcess(
+            _config(tiny_model_dir, tmp_path),
+            run_dir=tmp_path,
+            store_path=tmp_path / "trajectories.db",
+            engine_urls=[nowhere],
+            version=0,
+            admin_token=ADMIN,
+            sock=sock,
+        )
+        with pytest.raises(LaunchError, match="exited with code 1 while starting") as err:
+            gateway.start()
+        assert "cannot reach its engine servers: no SGLang server left" in str(err.value)
+        assert nowhere in str(err.value)
+        assert gateway.state.pid is not None and _gone(gateway.state.pid)
