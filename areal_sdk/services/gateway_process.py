@@ -171,12 +171,12 @@ class GatewayProcess:
                 process.wait(STOP_TIMEOUT_S)
 
     def _start_failed(self, process: subprocess.Popen[bytes], why: str) -> LaunchError:
-        return LaunchError(
-            f"the gateway {why}; log {self.log_path}:\n{_tail(self.log_path)}"
-            if process.poll() is None
-            else f"the gateway exited with code {process.returncode} while starting ({why}); "
-            f"log {self.log_path}:\n{_tail(self.log_path)}"
-        )
+        """Kill what is left of a gateway that did not start; the error quotes its log."""
+        if process.poll() is not None:
+            why = f"exited with code {process.returncode} while starting"
+        self._reap()
+        self.state.enter(Phase.FAILED, why)
+        return LaunchError(f"the gateway {why}; log {self.log_path}:\n{_tail(self.log_path)}")
 
     def start(self) -> GatewayProcess:
         """Start the gateway and return once it answers ``/health``; raises ``LaunchError``
@@ -188,13 +188,11 @@ class GatewayProcess:
         with httpx.Client(timeout=5) as http:
             while True:
                 if process.poll() is not None:
-                    self._reap()
                     raise self._start_failed(process, "exited")
                 with contextlib.suppress(httpx.HTTPError):
                     http.get(self.url + "/health")
                     break
                 if time.monotonic() > deadline:
-                    self._reap()
                     raise self._start_failed(
                         process, f"did not answer within {self.start_timeout_s:g} s"
                     )

@@ -452,4 +452,5 @@ def test_a_gateway_that_exits_while_starting_fails_with_its_log(
             gateway.start()
         assert "cannot reach its engine servers: no SGLang server left" in str(err.value)
         assert nowhere in str(err.value)
+        assert gateway.state.phase == Phase.FAILED
         assert gateway.state.pid is not None and _gone(gateway.state.pid)
