@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areal_sdk.disconnect import CancelOnDisconnect
 from areal_sdk.gateway import (
+    admin_engines,
     anthropic_messages,
     openai_chat,
     openai_completions,
@@ -206,6 +207,7 @@ def create_app(
         openai_responses,
         anthropic_messages,
         rl_sessions,
+        admin_engines,
     ):
         app.include_router(module.router)
     _install_info_routes(app)
