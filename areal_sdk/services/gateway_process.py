@@ -234,6 +234,8 @@ class GatewayProcess:
         """Watch the gateway until ``stop``: a gateway that exits, or answers nothing for
         ``heartbeat_timeout_s``, is killed and restarted on the same socket. Raises
         ``ServiceFailed`` once the restart policy gives up."""
+        if self._process is None and not self._stopping:
+            raise RuntimeError("start() the gateway before watching it")
         async with httpx.AsyncClient() as http:
             last_answer = time.monotonic()
             while not self._stopping:
