@@ -45,8 +45,6 @@ def live_services(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]] |
 
 
 def status(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     try:
         record, services = live_services(args.run_dir)
     except FileNotFoundError as exc:
@@ -55,23 +53,34 @@ def status(args: argparse.Namespace) -> int:
         services = record.get("services") or []
         ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("updated", 0)))
         alive = "did not answer (it died)" if record.get("live") else f"ended {ended}"
-        console.print(f"run in {args.run_dir}: {alive}; last recorded states:", highlight=False)
+        console.print(
+            f"run in {args.run_dir}: {alive}; last recorded states:",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         console.print(
             f"run in {args.run_dir} (pid {record.get('pid')}, placement "
             f"{record.get('placement')}): live",
             highlight=False,
+            soft_wrap=True,
         )
-    table = Table("service", "kind", "phase", "pid", "address", "restarts", "last error")
-    for s in services:
-        table.add_row(
-            s["name"],
-            s["kind"],
-            s["phase"],
-            str(s.get("pid") or "-"),
-            s.get("url") or "-",
-            str(s.get("restarts", 0)),
-            (s.get("last_error") or "")[:80],
+    # Plain columns, never cut: a script may read the addresses.
+    rows = [("service", "kind", "phase", "pid", "address", "restarts", "last error")]
+    for svc in services:
+        rows.append(
+            (
+                svc["name"],
+                svc["kind"],
+                svc["phase"],
+                str(svc.get("pid") or "-"),
+                svc.get("url") or "-",
+                str(svc.get("restarts", 0)),
+                " ".join((svc.get("last_error") or "").split())[:120],
+            )
         )
-    console.print(table)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]).rstrip())
     return 0

@@ -20,6 +20,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
 from areal_sdk.services.health import Phase, ServiceState
 
 SERVICES_FILENAME = "services.json"
@@ -54,9 +57,6 @@ def create_control_app(
     remove_engine: RemoveEngine | None = None,
 ) -> Any:
     """The control routes; engine changes run on the run's own ``loop``."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
-
     app = FastAPI(title="areal-sdk run control", docs_url=None, redoc_url=None)
 
     def refused(status: int, message: str) -> JSONResponse:
@@ -123,7 +123,9 @@ def create_control_app(
             assert url is not None
             await on_run_loop(remove_engine(url))
         except ValueError as exc:
-            return refused(404 if "no engine server" in str(exc) else 400, str(exc))
+            return refused(400, str(exc))
+        except LookupError as exc:  # the fleet has no server at that url
+            return refused(404, str(exc.args[0]) if exc.args else "no such engine server")
         except Exception as exc:
             return refused(502, f"could not remove the engine server: {exc}")
         return {"removed": url}

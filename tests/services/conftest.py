@@ -6,6 +6,7 @@ import pytest
 
 from tests.gateway.conftest import engine, gateway  # noqa: F401 - fixtures
 from tests.plugins.conftest import ROUTING_ENV
+from tests.training.conftest import run_config  # noqa: F401 - fixture
 
 
 @pytest.fixture(autouse=True)
