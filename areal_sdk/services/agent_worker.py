@@ -52,8 +52,9 @@ _SERVER_PLUGINS = (
     "builtin_metrics",
     "builtin_rewards",
 )
-# Agent return values that cross the pipe as they are; any other is sent as its type name.
-_PLAIN_RESULTS = (int, float, str, type(None))
+# Agent return values that cross the pipe as these builtins (a numpy float as a float: the
+# parent may not be able to import a subclass's module); any other is sent as its type name.
+_PLAIN_RESULTS = (bool, int, float, str)
 
 
 # -- the wire format -----------------------------------------------------------------------
@@ -110,10 +111,11 @@ def _json_safe(value: dict[str, Any]) -> dict[str, Any]:
 def outcome_of(result: Any, error: str | None, ctx: EpisodeContext) -> dict[str, Any]:
     """The agent's return value and what it changed on its episode, to send back."""
     ep = ctx.episode
-    plain = isinstance(result, _PLAIN_RESULTS)
+    plain = next((t for t in _PLAIN_RESULTS if isinstance(result, t)), None)
+    opaque = result is not None and plain is None
     return {
-        "result": result if plain else None,
-        "result_type": None if plain else type(result).__name__,
+        "result": plain(result) if plain is not None else None,
+        "result_type": type(result).__name__ if opaque else None,
         "error": error,
         "name": ctx.name,
         "status": str(ep.status),
@@ -209,11 +211,7 @@ async def _run_episode(link: _Link, agent: Any, call_id: int, request: dict[str,
     ctx = context_of(request)
     runner = InProcessRunner(agent, request["agent_kwargs"])
     result, error = await runner.call(request["task"], ctx, timeout_s=request["timeout_s"])
-    try:
-        link.send(("done", call_id, outcome_of(result, error, ctx)))
-    except (pickle.PicklingError, TypeError, ValueError) as exc:
-        failed = outcome_of(None, f"the episode's outcome cannot be sent back: {exc}", ctx)
-        link.send(("done", call_id, failed))
+    link.send(("done", call_id, outcome_of(result, error, ctx)))
 
 
 async def _serve(link: _Link, agent: Any) -> None:

@@ -380,10 +380,15 @@ class AgentWorkerPool:
         assert w.conn is not None and w.proc is not None
         while True:
             try:
-                message = w.conn.recv()
-            except (EOFError, OSError, pickle.UnpicklingError):
+                data = w.conn.recv_bytes()
+            except (EOFError, OSError):
                 break
             w.last_seen = time.monotonic()
+            try:
+                message = pickle.loads(data)
+            except Exception as exc:  # never from this package's worker; say so, read on
+                log.warning("%s sent a message that cannot be read: %s", w.label, exc)
+                continue
             if message[0] != "beat":
                 self._post(self._on_message, w, message)
         with contextlib.suppress(subprocess.TimeoutExpired):
