@@ -537,11 +537,12 @@ class TrainingRun:
         finally:
             supervision.cancel()
             await asyncio.gather(supervision, return_exceptions=True)
+            services = self.services()  # stopping a service may take it off the list
             if isinstance(stack, ProcessStack):
                 await stack.stop()
             else:
                 await asyncio.to_thread(stack.stop)
-            control.stop()
+            control.stop(services)
             metrics.close()
             backend.close()
         result.steps = backend.step

@@ -178,11 +178,14 @@ class ControlServer:
             json.dump({**record, **fields}, f, indent=2)
         staging.replace(self.path)
 
-    def stop(self) -> None:
+    def stop(self, final: list[ServiceState] | None = None) -> None:
+        """Stop serving and record the services' last states (``final``: those the run had
+        before it stopped them, when stopping takes them out of ``states()``)."""
         if self._server is not None:
             self._server.stop()
             self._server = None
-        self._write({"live": False, "services": [s.as_dict() for s in self.states()]})
+        states = self.states() if final is None else final
+        self._write({"live": False, "services": [s.as_dict() for s in states]})
 
 
 def read_services_file(run_dir: Path) -> dict[str, Any]:

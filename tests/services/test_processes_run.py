@@ -149,9 +149,12 @@ def _kill_mid_run(run: LiveRun, kind: str) -> tuple[dict[str, Any], float]:
 def test_a_processes_run_trains_with_two_engines_and_two_workers(run_config):
     config = _processes_config(run_config, steps=3)
     run = LiveRun(config)
-    services = run.wait_for(
-        "every service up", lambda: len([s for s in run.services() if s["phase"] == "up"]) >= 6
-    )
+
+    def all_up() -> list[dict[str, Any]] | None:
+        services = [s for s in run.services() if s["phase"] == "up"]
+        return services if len(services) >= 6 else None
+
+    services = run.wait_for("every service up", all_up)
     kinds = Counter(s["kind"] for s in services)
     assert kinds == {"engine": 2, "gateway": 1, "rollout_worker": 2, "trainer": 1}, services
     assert len({s["pid"] for s in services}) == 6  # each a process of its own
@@ -169,7 +172,8 @@ def test_a_killed_service_is_restarted_and_the_run_finishes(run_config, kind):
     run = LiveRun(config)
     victim, killed_at = _kill_mid_run(run, kind)
     # Named in the progress output within the bound (plus a poll interval).
-    assert run.line_after(killed_at, re.escape(victim["name"])) <= BOUND_S + 3, run.output
+    name = re.escape(victim["name"]).replace(r"\-", "[- ]")  # rollout-worker-0 or ... worker 0
+    assert run.line_after(killed_at, name) <= BOUND_S + 3, run.output
     assert run.finish() == 0, run.output
     _assert_trained_once(run.run_dir, 6)
     recorded, _ = live_services(run.run_dir)  # the run has ended: its last states
