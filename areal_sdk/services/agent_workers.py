@@ -313,7 +313,8 @@ class AgentWorkerPool:
         w.in_flight.clear()
 
     def _event(self, message: str) -> None:
-        log.warning("%s", message)
+        # Once: the run's display shows what it is given; without one, the log does.
+        log.log(logging.INFO if self.on_event is not None else logging.WARNING, "%s", message)
         if self.on_event is not None:
             try:
                 self.on_event(message)

@@ -55,6 +55,12 @@ def for_placement(cfg: Config, placement: Placement) -> Config:
     train = cfg.train.model_copy(update={"separate_process": True})
     updates["train"] = train
     if cfg.weights.method == "in_process":
-        method = "cuda_ipc" if cfg.train.device.startswith("cuda") else "disk"
-        updates["weights"] = cfg.weights.model_copy(update={"method": method})
+        weights: dict[str, object] = {"method": "disk"}
+        if cfg.train.device.startswith("cuda"):
+            weights["method"] = "cuda_ipc"
+            if cfg.weights.dtype == "auto":
+                # What the engine holds on CUDA (``auto`` is bfloat16 there): the handles then
+                # share tensors the engine copies as they are, at half a float32 push's bytes.
+                weights["dtype"] = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+        updates["weights"] = cfg.weights.model_copy(update=weights)
     return cfg.model_copy(update=updates)
