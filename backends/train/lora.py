@@ -37,6 +37,9 @@ ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALL_LINEAR = "all-linear"
+# The adapters' random initial A matrices come from this seed: every rank of a job starts
+# from the same adapters (ZeRO-3 partitions each rank's own copy), and so does every run.
+INIT_SEED = 0
 
 
 def import_peft() -> Any:
@@ -91,7 +94,9 @@ def add_lora(model: nn.Module, settings: LoraConfig) -> PeftModel:
         bias="none",
     )
     try:
-        return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(INIT_SEED)
+            return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME)
     except ValueError as exc:
         raise ConfigError(
             f"train.lora.target_modules {targets!r}: {exc} (linear layers: {known})"
