@@ -66,7 +66,14 @@ def _unmatched(model: nn.Module, targets: str | list[str]) -> list[str]:
     if isinstance(targets, str):
         if targets == ALL_LINEAR:
             return []
-        return [] if any(re.fullmatch(targets, n) for n in names) else [targets]
+        try:
+            pattern = re.compile(targets)
+        except re.error as exc:
+            raise ConfigError(
+                f"train.lora.target_modules: {targets!r} is neither all-linear nor a valid "
+                f"regular expression ({exc})"
+            ) from None
+        return [] if any(pattern.fullmatch(n) for n in names) else [targets]
     return [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
 
 

@@ -72,6 +72,9 @@ def test_bad_target_modules_are_one_config_error_naming_the_layers(tiny_model_di
     message = str(caught.value)
     assert "train.lora.target_modules" in message and "attention_dense" in message
     assert "q_proj" in message.split("linear layers are:")[1]  # what the model does have
+    for pattern in (r".*\.attention_dense", "q_proj("):  # matches nothing; not a regex
+        with pytest.raises(ConfigError, match="train.lora.target_modules"):
+            lora_backend(tiny_model_dir, target_modules=pattern)
 
 
 async def test_after_a_push_the_engine_scores_like_the_merged_model(
