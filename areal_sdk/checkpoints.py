@@ -10,6 +10,10 @@ needs sits beside the model, where those loaders never look::
       chat_template.jinja, ...
       model.safetensors                          the trained weights under the model's own
                                                  names (sharded, with an index, when large)
+      adapter/                                   train.lora only: the LoRA adapter in PEFT's
+                                                 layout (adapter_config.json,
+                                                 adapter_model.safetensors); model.safetensors
+                                                 then holds the merged weights
       optimizer/                                 optimizer state (the newest checkpoint only,
                                                  unless run.keep_optimizer_state is ``all``)
       train_state.json                           the backend's step (written last by save)
@@ -40,6 +44,7 @@ from areal_sdk.train_backend import NamedTensors, TrainBackend
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_DIR = "optimizer"
+ADAPTER_DIR = "adapter"
 SINGLE_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # One shard per bucket of the backend's weights: under ZeRO-3 every rank gathers one

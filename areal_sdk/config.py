@@ -166,6 +166,19 @@ class InferenceConfig(Section):
     launch_timeout_s: float = Field(600.0, gt=0, description="sglang: wait for /health")
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (``peft``): only the adapters train; the base weights stay frozen."""
+
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="module names (or name suffixes) that get adapters, or all-linear: every "
+        "linear layer of the decoder",
+    )
+
+
 class TrainConfig(Section):
     """The train backend (``torch``: one process; ``deepspeed``: ZeRO 0-3 over ranks)."""
 
@@ -209,6 +222,9 @@ class TrainConfig(Section):
     )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="DeepSpeed JSON config merged over the generated one"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters instead of every weight (None: full fine-tuning)"
     )
     separate_process: bool | None = Field(
         None,

@@ -120,5 +120,16 @@ class TrainBackend(abc.ABC):
     def load(self, directory: str | Path) -> None:
         """Restore what ``save`` wrote; training continues exactly where it stopped."""
 
+    @property
+    def trains_adapter(self) -> bool:
+        """Whether only LoRA adapters train (``train.lora``): ``save_adapter`` then writes
+        them, for engines that load adapters rather than whole weights."""
+        return False
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        """Write the trained LoRA adapter in PEFT's layout (``adapter_config.json``,
+        ``adapter_model.safetensors``) into ``directory``; rank 0 writes, every rank calls."""
+        raise ValueError(f"{type(self).__name__} trains every weight: it has no adapter")
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Release resources (process groups, GPU memory). Safe to call twice."""

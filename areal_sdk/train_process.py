@@ -79,6 +79,7 @@ class _Child:
             "device": str(b.device),
             "rank": b.rank,
             "world_size": b.world_size,
+            "trains_adapter": b.trains_adapter,
         }
 
     def handle(self, op: str, args: tuple[Any, ...]) -> Any:
@@ -91,6 +92,8 @@ class _Child:
             return b.save(*args)
         if op == "load":
             return b.load(*args)
+        if op == "save_adapter":
+            return b.save_adapter(*args)
         if op == "set_initial_version":
             (b.initial_version,) = args
             return None
@@ -318,6 +321,13 @@ class TrainProcess(TrainBackend):
 
     def load(self, directory: str | Path) -> None:
         self._call("load", str(directory))
+
+    @property
+    def trains_adapter(self) -> bool:
+        return bool(self._state.get("trains_adapter", False))
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        return Path(self._call("save_adapter", str(directory)))
 
     def close(self) -> None:
         self._closing = True

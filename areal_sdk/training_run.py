@@ -105,8 +105,11 @@ class WeightPusher:
     async def __call__(self, version: int) -> None:
         await self.engine.pause(self.pause_mode)
         try:
-            state = self.backend.state_for_sync(self.bucket_bytes)
-            await asyncio.wait_for(self.sync.push(state, version), self.timeout_s)
+            if self.sync.takes_adapter:  # an engine serving LoRA adapters (train.lora)
+                push = self.sync.push_adapter(self.backend.save_adapter, version)
+            else:
+                push = self.sync.push(self.backend.state_for_sync(self.bucket_bytes), version)
+            await asyncio.wait_for(push, self.timeout_s)
         except TimeoutError:
             raise TrainingError(
                 f"pushing weight version {version} ({self.sync.method}) did not finish within "

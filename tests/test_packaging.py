@@ -43,6 +43,7 @@ def test_extras_are_declared():
         "camel",
         "deepspeed",
         "sglang",
+        "lora",
         "all",
         "dev",
     ):

@@ -135,7 +135,14 @@ def train(args: argparse.Namespace) -> int:
     try:
         with progress:
             result = asyncio.run(_run_until_signalled(run))
-    except (RunError, TaskError, ModelNotFoundError, MaxModelLenError, TrainingError) as exc:
+    except (
+        RunError,
+        TaskError,
+        ModelNotFoundError,
+        MaxModelLenError,
+        TrainingError,
+        ConfigError,  # one the model decides, e.g. train.lora.target_modules
+    ) as exc:
         return fail(str(exc), code=1)
     except (KeyboardInterrupt, asyncio.CancelledError):
         kept = _kept(run.checkpoints.latest(), cfg.run.steps)

@@ -79,6 +79,8 @@ class SGLangBackend(InferenceBackend):
         self._generating: set[str] = set()  # rids of generate() calls under way
         self._aborted: set[str] = set()  # ... that abort() ended
         self._closed = False
+        # train.lora: the adapter every request names (SGLang's ``lora_path``); lora.py sets it.
+        self.lora_name: str | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> SGLangBackend:
@@ -222,6 +224,8 @@ class SGLangBackend(InferenceBackend):
     ) -> GenerateOutput:
         """One ``/generate``, re-sent to another server if its server is gone."""
         body = generate_body(input_ids, sampling, rid)
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name
         tried: set[str] = set()
         while True:
             server = self.pool.pick(key, exclude=tried)
@@ -286,6 +290,10 @@ class SGLangBackend(InferenceBackend):
         }
         await self._fan_out(lambda s: s.client.post_json("/update_weights_from_disk", body))
         self._version = int(version)
+
+    async def fan_out_post(self, route: str, body: dict[str, Any], *, strict: bool = True) -> None:
+        """``POST route`` with ``body`` on every live server."""
+        await self._fan_out(lambda s: s.client.post_json(route, body), strict=strict)
 
     async def set_version(self, version: int) -> None:
         """Relabel the served weights as ``version`` on every server."""
@@ -437,7 +445,12 @@ class SGLangBackend(InferenceBackend):
     ) -> WeightSync | None:
         """The trainer side of ``method`` for these servers, where it differs from the
         generic one: ``broadcast`` drives SGLang's weight-group routes, ``cuda_ipc``
-        ``/update_weights_from_tensor``."""
+        ``/update_weights_from_tensor``; under ``train.lora`` every method moves the adapter
+        (``lora.py``)."""
+        if config.train.lora is not None:
+            from areal_sdk.backends.sglang.lora import SGLangLoraSync
+
+            return SGLangLoraSync.from_config(self, config, trainer_rank=trainer_rank, **overrides)
         if method == "broadcast":
             from areal_sdk.backends.sglang.weight_sync import SGLangBroadcastSync
 

@@ -95,6 +95,8 @@ class SGLangLauncher:
 
     @classmethod
     def from_config(cls, config: Config) -> SGLangLauncher:
+        from areal_sdk.backends.sglang.lora import lora_server_args
+
         inference = config.inference
         if config.model.path is None:
             raise LaunchError(
@@ -105,7 +107,10 @@ class SGLangLauncher:
             model_path=config.model.path,
             run_dir=config.run.dir,
             python=inference.sglang_python,
-            args=inference.sglang_args,
+            args=[
+                *inference.sglang_args,
+                *lora_server_args(config.train.lora, inference.sglang_args),
+            ],
             servers=inference.sglang_servers,
             host=inference.host,
             timeout_s=inference.launch_timeout_s,

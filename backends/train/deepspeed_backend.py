@@ -31,6 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from areal_sdk.backends.train.lora import (
+    adapter_parameters,
+    add_lora,
+    merged_tensors,
+    save_adapter,
+)
 from areal_sdk.backends.train.policy import (
     hf_name,
     load_policy,
@@ -40,12 +46,19 @@ from areal_sdk.backends.train.policy import (
 )
 from areal_sdk.backends.train.torch_backend import (
     META_FILE,
+    check_lora_matches,
     model_path_of,
     read_meta,
     use_bf16,
 )
 
-from areal_sdk.checkpoints import OPTIMIZER_DIR, SHARD_BYTES, ModelFiles, write_weights
+from areal_sdk.checkpoints import (
+    ADAPTER_DIR,
+    OPTIMIZER_DIR,
+    SHARD_BYTES,
+    ModelFiles,
+    write_weights,
+)
 from areal_sdk.config import TrainConfig
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend, loss_weight_of
 
@@ -159,6 +172,9 @@ class DeepSpeedBackend(TrainBackend):
             varlen_kernel=self.cfg.varlen_kernel,
             compile_layers=self.cfg.compile,
         )
+        # train.lora: adapters injected into the policy, every other weight frozen (and so
+        # outside the optimizer and ZeRO's gradient and optimizer-state partitions).
+        self.adapter = add_lora(model.policy, self.cfg.lora) if self.cfg.lora else None
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=self.cfg.lr,
@@ -286,7 +302,16 @@ class DeepSpeedBackend(TrainBackend):
 
     # -- weights out -----------------------------------------------------------------------
 
+    @property
+    def trains_adapter(self) -> bool:
+        return self.adapter is not None
+
     def state_for_sync(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """The weights under the base model's names; with ``train.lora``, merged with the
+        adapters one tensor at a time (the trained weights themselves stay unmerged)."""
+        if self.adapter is not None:
+            yield from self._merged_for_sync(bucket_bytes)
+            return
         named = [(hf_name(n), p) for n, p in self.engine.module.named_parameters()]
         stage3 = self.zero_stage == 3
 
@@ -305,6 +330,37 @@ class DeepSpeedBackend(TrainBackend):
                 out = [(named[i][0], named[i][1].detach().clone()) for i in bucket]
             yield out
 
+    def _merged_for_sync(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """``state_for_sync`` under ``train.lora``: each bucket's base weights and adapters
+        gathered together under ZeRO-3 (a collective), merged, copied out."""
+        merged = merged_tensors(self.engine.module)
+        stage3 = self.zero_stage == 3
+
+        def nbytes(p: torch.Tensor) -> int:
+            numel = p.ds_numel if stage3 and hasattr(p, "ds_numel") else p.numel()
+            return int(numel) * p.element_size()
+
+        for bucket in plan_buckets([nbytes(m.params[0]) for m in merged], bucket_bytes):
+            if not stage3:
+                yield [(merged[i].name, merged[i].compute()) for i in bucket]
+                continue
+            params = [p for i in bucket for p in merged[i].params]
+            with torch.no_grad(), self._ds.zero.GatheredParameters(params, modifier_rank=None):
+                out = [(merged[i].name, merged[i].compute().clone()) for i in bucket]
+            yield out
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        """The adapter in PEFT's layout (rank 0 writes; a collective under ZeRO-3)."""
+        if self.adapter is None:
+            raise ValueError("this run trains every weight (train.lora is not set): no adapter")
+        directory = Path(directory)
+        params = adapter_parameters(self.engine.module) if self.zero_stage == 3 else []
+        with self._ds.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            if self.rank == 0:
+                save_adapter(self.adapter, directory)
+        dist.barrier()
+        return directory
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
@@ -318,8 +374,15 @@ class DeepSpeedBackend(TrainBackend):
         else:
             for _ in buckets:
                 pass
+        if self.adapter is not None:
+            self.save_adapter(directory / ADAPTER_DIR)
         self.engine.save_checkpoint(
-            str(directory), tag=CHECKPOINT_TAG, client_state={"step": self._step}, save_latest=False
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            client_state={"step": self._step},
+            save_latest=False,
+            # Under train.lora the frozen base is the run's model: DeepSpeed keeps the adapters.
+            exclude_frozen_parameters=self.adapter is not None,
         )
         dist.barrier()
         if self.rank == 0:
@@ -329,6 +392,7 @@ class DeepSpeedBackend(TrainBackend):
                 "initial_version": self.initial_version,
                 "world_size": self.world_size,
                 "zero_stage": self.zero_stage,
+                "lora": self.adapter is not None,
             }
             (directory / META_FILE).write_text(json.dumps(meta))
         dist.barrier()
@@ -336,6 +400,7 @@ class DeepSpeedBackend(TrainBackend):
     def load(self, directory: str | Path) -> None:
         directory = Path(directory)
         meta = read_meta(directory, "deepspeed")
+        check_lora_matches(meta, self.cfg, directory)
         if meta.get("world_size") != self.world_size and self.zero_stage > 0:
             raise ValueError(
                 f"{directory} was saved by {meta.get('world_size')} ranks under ZeRO; "
@@ -352,6 +417,8 @@ class DeepSpeedBackend(TrainBackend):
             tag=tag,
             load_optimizer_states=True,
             load_lr_scheduler_states=False,
+            # Under train.lora the checkpoint holds the adapters alone (the base is as loaded).
+            load_module_strict=self.adapter is None,
         )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")

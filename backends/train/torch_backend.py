@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from areal_sdk.backends.train.lora import add_lora, load_adapter, merged_tensors, save_adapter
 from areal_sdk.backends.train.policy import (
     assign_weights,
     hf_name,
@@ -30,6 +31,7 @@ from areal_sdk.backends.train.policy import (
 )
 
 from areal_sdk.checkpoints import (
+    ADAPTER_DIR,
     OPTIMIZER_DIR,
     SHARD_BYTES,
     ModelFiles,
@@ -126,7 +128,10 @@ class TorchBackend(TrainBackend):
             padded_attention=self.cfg.padded_attention,
             varlen_kernel=self.cfg.varlen_kernel,
             compile_layers=self.cfg.compile,
-        ).to(self._device)
+        )
+        # train.lora: adapters injected into the policy, every other weight frozen.
+        self.adapter = add_lora(self.model.policy, self.cfg.lora) if self.cfg.lora else None
+        self.model.to(self._device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.cfg.lr,
@@ -227,35 +232,64 @@ class TorchBackend(TrainBackend):
 
     # -- weights out -----------------------------------------------------------------------
 
+    @property
+    def trains_adapter(self) -> bool:
+        return self.adapter is not None
+
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The trained parameters under their HF names (tied weights once)."""
+        """The model's parameters under their HF names (tied weights once)."""
         return [(hf_name(n), p) for n, p in self.model.named_parameters()]
 
     @torch.no_grad()
     def state_for_sync(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """The weights under the base model's names; with ``train.lora``, merged with the
+        adapters one tensor at a time (the trained weights themselves stay unmerged)."""
+        if self.adapter is not None:
+            merged = merged_tensors(self.model)
+            sizes = [m.params[0].numel() * m.params[0].element_size() for m in merged]
+            for bucket in plan_buckets(sizes, bucket_bytes):
+                yield [(merged[i].name, merged[i].compute()) for i in bucket]
+            return
         named = self.named_parameters()
         sizes = [p.numel() * p.element_size() for _, p in named]
         for bucket in plan_buckets(sizes, bucket_bytes):
             yield [(named[i][0], named[i][1].detach()) for i in bucket]
 
+    def save_adapter(self, directory: str | Path) -> Path:
+        if self.adapter is None:
+            raise ValueError("this run trains every weight (train.lora is not set): no adapter")
+        return save_adapter(self.adapter, directory)
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        """An HF model directory of the float32 weights, the optimizer state beside it."""
+        """An HF model directory of the float32 weights (merged, under ``train.lora``, with
+        the adapter in ``adapter/``), the optimizer state beside it."""
         directory = Path(directory)
         dtype = write_weights(self.state_for_sync(SHARD_BYTES), directory)
         self.model_files.write(directory, dtype)
+        if self.adapter is not None:
+            save_adapter(self.adapter, directory / ADAPTER_DIR)
         (directory / OPTIMIZER_DIR).mkdir(exist_ok=True)
         torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_DIR / OPTIMIZER_FILE)
         # Written last: a directory with this file holds a complete checkpoint.
-        meta = {"backend": "torch", "step": self._step, "initial_version": self.initial_version}
+        meta = {
+            "backend": "torch",
+            "step": self._step,
+            "initial_version": self.initial_version,
+            "lora": self.adapter is not None,
+        }
         (directory / META_FILE).write_text(json.dumps(meta))
 
     def load(self, directory: str | Path) -> None:
         directory = Path(directory)
         meta = read_meta(directory, "torch")
+        check_lora_matches(meta, self.cfg, directory)
         optimizer = directory / OPTIMIZER_DIR / OPTIMIZER_FILE
-        if (directory / "config.json").is_file():
+        if self.adapter is not None:
+            # The base weights are the run's model, as loaded; only the adapter trained.
+            load_adapter(self.adapter, directory / ADAPTER_DIR, self.cfg.lora)
+        elif (directory / "config.json").is_file():
             assign_weights(self.named_parameters(), read_weights(directory), directory)
         else:
             optimizer = self._load_old_layout(directory)
@@ -276,6 +310,18 @@ class TorchBackend(TrainBackend):
 
         load_model(self.model, str(directory / "model.safetensors"), device=str(self._device))
         return directory / OPTIMIZER_FILE
+
+
+def check_lora_matches(meta: Mapping[str, Any], cfg: TrainConfig, directory: Path) -> None:
+    """A checkpoint resumes only the kind of training that wrote it (adapters or all)."""
+    saved, now = bool(meta.get("lora", False)), cfg.lora is not None
+    if saved != now:
+        wrote = "LoRA adapters" if saved else "every weight (no train.lora)"
+        wants = "LoRA adapters" if now else "every weight"
+        raise ValueError(
+            f"{directory} was written by a run that trained {wrote}; this run trains {wants}: "
+            "set train.lora as that run did"
+        )
 
 
 def read_meta(directory: Path, backend: str) -> dict[str, Any]:

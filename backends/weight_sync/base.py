@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -132,6 +133,8 @@ class WeightSync(abc.ABC):
     """Pushes trainer weights into an inference engine as a new version."""
 
     method: ClassVar[str]
+    # True for a method that moves a LoRA adapter (``push_adapter``) instead of whole weights.
+    takes_adapter: ClassVar[bool] = False
 
     def __init__(
         self, *, timeout_s: float, dtype: torch.dtype | None = None, trainer_rank: int = 0
@@ -152,6 +155,11 @@ class WeightSync(abc.ABC):
         start = time.perf_counter()
         tensors, nbytes = await self._push(state, int(version))
         return SyncResult(self.method, int(version), tensors, nbytes, time.perf_counter() - start)
+
+    async def push_adapter(self, write: Callable[[Path], Path], version: int) -> SyncResult | None:
+        """Move the trainer's LoRA adapter (``write(directory)`` puts it in PEFT's layout)
+        into the engine as ``version``: only where ``takes_adapter``."""
+        raise self._fail(version, "the engine", "this method moves whole weights, not adapters")
 
     @abc.abstractmethod
     async def _push(self, state: Iterable[NamedTensors], version: int) -> tuple[int, int]:

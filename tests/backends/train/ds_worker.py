@@ -10,7 +10,14 @@ from tests.backends.train.common import FIXED_SEQUENCE, loss_fn, micro_batches, 
 
 
 def run_rank(
-    rank: int, world: int, port: int, model_dir: str, stage: int, ckpt: str, out: Any
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    stage: int,
+    ckpt: str,
+    out: Any,
+    lora: dict[str, Any] | None = None,
 ) -> None:
     """Train 2 steps, save, train 2 more; then resume from the save and train the same 2."""
     os.environ.update(
@@ -28,6 +35,7 @@ def run_rank(
             zero_stage=stage,
             # Partition even the tiny model's small weights, so ZeRO-3 really gathers.
             deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+            lora=lora,
         )
         batches = micro_batches(40, num_ranks=world)[rank]
         backend = DeepSpeedBackend(model_dir, cfg)

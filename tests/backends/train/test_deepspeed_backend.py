@@ -31,12 +31,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(model_dir: Path, stage: int, world: int, ckpt: Path) -> dict:
+def run_job(model_dir: Path, stage: int, world: int, ckpt: Path, lora: dict | None = None) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=run_rank, args=(r, world, port, str(model_dir), stage, str(ckpt), out))
+        ctx.Process(
+            target=run_rank, args=(r, world, port, str(model_dir), stage, str(ckpt), out, lora)
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -85,5 +87,28 @@ def test_deepspeed_matches_torch_and_resumes(
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     # Resuming from the step-2 checkpoint repeats steps 3 and 4 exactly.
+    assert got["resumed_step"] == 2
+    torch.testing.assert_close(got["resumed_losses"], got["losses"][2:], rtol=1e-6, atol=1e-8)
+
+
+def test_deepspeed_zero3_trains_lora_adapters_as_the_torch_backend_does(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("peft")
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    reference = TorchBackend(tiny_model_dir, train_config(lora=lora))
+    batches = micro_batches(40)[0]
+    losses = [reference.train_step(batches, loss_fn(k))["loss"] for k in range(4)]
+    state = {n: tuple(t.shape) for b in reference.state_for_sync(64 * 1024) for n, t in b}
+    probe = reference.forward_logprobs([single(FIXED_SEQUENCE)])[0]
+
+    got = run_job(tiny_model_dir, 3, 2, tmp_path / "ckpt", lora=lora)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-4, atol=1e-6)
+    # The merged weights under the base model's names, gathered whole under ZeRO-3.
+    assert got["state"] == state == got["checkpoint_state"]
+    torch.testing.assert_close(torch.tensor(got["probe"]), probe, atol=1e-4, rtol=0)
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file()
+    # DeepSpeed's own checkpoint keeps the adapters and their optimizer state: resuming
+    # repeats steps 3 and 4 exactly.
     assert got["resumed_step"] == 2
     torch.testing.assert_close(got["resumed_losses"], got["losses"][2:], rtol=1e-6, atol=1e-8)
