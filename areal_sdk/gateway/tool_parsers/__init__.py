@@ -14,62 +14,48 @@ ParsedCompletion(content='Sure.', tool_calls=[ParsedToolCall(name='add', argumen
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from areal_sdk.gateway.tool_parsers.base import (
+    ParsedCompletion,
+    ParsedToolCall,
+    Reasoning,
+    ToolCallParser,
+    call_from_obj,
+    marker_cut,
+)
+from areal_sdk.gateway.tool_parsers.deepseek import parse_deepseek_v3
+from areal_sdk.gateway.tool_parsers.harmony import parse_harmony
+from areal_sdk.gateway.tool_parsers.llama import parse_llama3_json
+from areal_sdk.gateway.tool_parsers.mistral import parse_mistral
+from areal_sdk.gateway.tool_parsers.qwen3_coder import parse_qwen3_coder
 
-@dataclass
-class ParsedToolCall:
-    """One call as the model wrote it; ``arguments`` is a JSON object serialised as text."""
+if TYPE_CHECKING:
+    from areal_sdk.gateway.conversation import Tool
 
-    name: str
-    arguments: str
+__all__ = [
+    "BUILTIN_PARSERS",
+    "ParsedCompletion",
+    "ParsedToolCall",
+    "Reasoning",
+    "ToolCallParser",
+    "default_parser_name",
+    "parse_completion",
+    "parse_hermes",
+    "parse_json",
+    "reasoning_of",
+    "split_reasoning",
+]
 
-
-@dataclass
-class ParsedCompletion:
-    content: str
-    tool_calls: list[ParsedToolCall] = field(default_factory=list)
-
-
-ToolCallParser = Callable[[str], ParsedCompletion]
-
-# A parser may also carry ``live_cut(text) -> int``: how much of a partial completion is
-# surely content (never part of a call), so streaming can show it before the end. Content
-# stays a prefix of the text (leading whitespace kept), so what was shown stays true.
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
+log = logging.getLogger("areal_sdk.gateway")
 
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _JSON_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
-
-
-def _call_from_obj(obj: Any) -> ParsedToolCall | None:
-    """A call from a decoded JSON object, or None when it does not look like one."""
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        # Some models write the arguments as a JSON string; keep it if it decodes to an object.
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
 def parse_hermes(text: str) -> ParsedCompletion:
@@ -85,7 +71,7 @@ def parse_hermes(text: str) -> ParsedCompletion:
     last = 0
     for match in _HERMES_BLOCK.finditer(text):
         try:
-            call = _call_from_obj(json.loads(match.group(1)))
+            call = call_from_obj(json.loads(match.group(1)))
         except json.JSONDecodeError:
             call = None
         if call is None:
@@ -98,8 +84,7 @@ def parse_hermes(text: str) -> ParsedCompletion:
 
 
 def _hermes_live_cut(text: str) -> int:
-    pos = text.find("<tool_call>")
-    return pos if pos >= 0 else len(text) - _partial_suffix(text, "<tool_call>")
+    return marker_cut(text, "<tool_call>")
 
 
 parse_hermes.live_cut = _hermes_live_cut  # type: ignore[attr-defined]
@@ -117,7 +102,7 @@ def parse_json(text: str) -> ParsedCompletion:
             obj = json.loads(candidate)
         except json.JSONDecodeError:
             continue
-        calls = [_call_from_obj(o) for o in (obj if isinstance(obj, list) else [obj])]
+        calls = [call_from_obj(o) for o in (obj if isinstance(obj, list) else [obj])]
         if calls and all(c is not None for c in calls):
             return ParsedCompletion(content=rest, tool_calls=[c for c in calls if c is not None])
     return ParsedCompletion(content=text)
@@ -126,27 +111,64 @@ def parse_json(text: str) -> ParsedCompletion:
 def _json_live_cut(text: str) -> int:
     if text.lstrip()[:1] in ("", "{", "["):  # the whole completion may be a call
         return 0
-    pos = text.find("```")
-    return pos if pos >= 0 else len(text) - _partial_suffix(text, "```")
+    return marker_cut(text, "```")
 
 
 parse_json.live_cut = _json_live_cut  # type: ignore[attr-defined]
 
 
-BUILTIN_PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes, "json": parse_json}
+BUILTIN_PARSERS: dict[str, ToolCallParser] = {
+    "hermes": parse_hermes,
+    "json": parse_json,
+    "llama3_json": parse_llama3_json,
+    "mistral": parse_mistral,
+    "deepseek_v3": parse_deepseek_v3,
+    "qwen3_coder": parse_qwen3_coder,
+    "harmony": parse_harmony,
+}
+
+# (marker in the chat template, parser), most specific first: Qwen3-Coder's template also
+# speaks <tool_call>, and gpt-oss's and DeepSeek's name no other family's markers.
+_TEMPLATE_MARKERS = (
+    ("<|channel|>", "harmony"),
+    ("tool▁calls▁begin", "deepseek_v3"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<function=", "qwen3_coder"),
+    ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"),
+    ("<|start_header_id|>", "llama3_json"),
+)
 
 
 def default_parser_name(chat_template: str | None) -> str:
-    """The parser that fits a chat template: ``hermes`` when it speaks ``<tool_call>``."""
-    if chat_template and "<tool_call>" in chat_template:
-        return "hermes"
+    """The parser that fits a chat template, by the tool-call markers it writes; ``json``
+    when it has none of them."""
+    for marker, name in _TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            return name
     return "json"
 
 
-@dataclass
-class Reasoning:
-    reasoning: str | None
-    content: str
+def _takes_tools(parser: ToolCallParser) -> bool:
+    try:
+        return "tools" in inspect.signature(parser).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the plain ``parser(text)``
+        return False
+
+
+def parse_completion(
+    parser: ToolCallParser, text: str, tools: Sequence[Tool] = ()
+) -> ParsedCompletion:
+    """Run a parser on a completion; a parser with a ``tools`` parameter gets the request's
+    tools (to type arguments by their JSON schemas). A parser that raises leaves the whole
+    completion as content, so a model's odd output never fails the call."""
+    try:
+        if _takes_tools(parser):
+            return parser(text, tools=list(tools))
+        return parser(text)
+    except Exception:
+        log.warning("tool-call parser %r failed; the completion is kept as text", parser)
+        return ParsedCompletion(content=text)
 
 
 def split_reasoning(text: str, *, opened: bool = False) -> Reasoning:
@@ -172,3 +194,10 @@ def split_reasoning(text: str, *, opened: bool = False) -> Reasoning:
     reasoning = head[start + len("<think>") :] if start >= 0 else head
     content = (before + text[end + len("</think>") :]).strip()
     return Reasoning(reasoning=reasoning.strip(), content=content)
+
+
+def reasoning_of(parser: ToolCallParser, text: str, *, opened: bool = False) -> Reasoning:
+    """Reasoning apart from the rest: by the parser's own ``split_reasoning(text)`` where it
+    has one (gpt-oss's channels), else by ``<think>`` tags."""
+    own = getattr(parser, "split_reasoning", None)
+    return own(text) if callable(own) else split_reasoning(text, opened=opened)
