@@ -1,10 +1,17 @@
 """Split a model's completion text into reasoning, plain content and tool calls.
 
 Parsers are plain functions ``parser(text) -> ParsedCompletion``, registered by name through
-the ``areal_tool_call_parsers`` hook (the built-ins come from ``areal_sdk.gateway.plugin``):
+the ``areal_tool_call_parsers`` hook (the built-ins come from ``areal_sdk.gateway.plugin``);
+``default_parser_name`` picks one by the markers a chat template writes. A parser may take a
+``tools`` keyword (the request's tools, to type arguments by their schemas) and carry
+``live_cut(text) -> int`` (how much of a partial completion is surely content, so streaming
+can show it) and ``split_reasoning(text) -> Reasoning`` (its own reasoning markup, in place
+of ``<think>``). Several calls in one completion are parallel calls.
 
 - ``hermes``: the ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` family used by
-  Qwen2.5/Qwen3, Hermes and many ChatML fine-tunes. Several blocks are parallel calls.
+  Qwen2.5/Qwen3, Hermes and many ChatML fine-tunes.
+- ``llama3_json`` (``llama.py``), ``mistral``, ``deepseek_v3`` (``deepseek.py``),
+  ``qwen3_coder`` and ``harmony`` (gpt-oss): one module each.
 - ``json``: a fallback for models without tool markers: the whole completion (or a fenced
   ```json block) is one call object ``{"name", "arguments"}`` or a list of them.
 
