@@ -131,7 +131,11 @@ def areal_tool_call_parsers() -> Mapping[str, Callable[[str], Any]]:
     """Register tool-call parsers by name (``inference.tool_parser``).
 
     Returns ``{name: parser}``; ``parser(text)`` splits a completion into plain content and
-    tool calls. The gateway picks one by config or by the model's chat template.
+    tool calls (a ``tools`` keyword, if the parser has one, gets the request's tools). The
+    gateway picks one by config or by the model's chat template. Optional attributes:
+    ``parser.live_cut(text) -> int`` (how much of a partial completion is surely content,
+    for streaming) and ``parser.split_reasoning(text) -> Reasoning`` (the model's own
+    reasoning markup, in place of ``<think>``).
     """
 
 

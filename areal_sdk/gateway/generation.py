@@ -25,7 +25,7 @@ from areal_sdk.gateway.errors import GatewayError, from_validation
 from areal_sdk.gateway.metrics import GatewayMetrics
 from areal_sdk.gateway.sessions import Session, SessionManager
 from areal_sdk.gateway.templating import HistoryEntry, Prompt, PromptBuilder, render_key
-from areal_sdk.gateway.tool_parsers import ToolCallParser, split_reasoning
+from areal_sdk.gateway.tool_parsers import ToolCallParser, parse_completion, reasoning_of
 from areal_sdk.inference import GenerateChunk, GenerateOutput, InferenceBackend, SamplingParams
 from areal_sdk.trajectory import Turn, TurnApi, new_id
 
@@ -254,13 +254,15 @@ class Generator:
         parse_tools: bool,
         parallel_tool_calls: bool = True,
         thinking: bool = False,
+        tools: list[Tool] | None = None,
     ) -> Sampled:
-        """Decode and parse a completion; ``thinking``: the prompt opened a ``<think>``."""
+        """Decode and parse a completion; ``thinking``: the prompt opened a ``<think>``;
+        ``tools``: the request's, for parsers that type arguments by their schemas."""
         text, matched = self.decode(output, stops)
-        split = split_reasoning(text, opened=thinking)
+        split = reasoning_of(self.parser, text, opened=thinking)
         content, calls = split.content, []
         if parse_tools:
-            parsed = self.parser(content)
+            parsed = parse_completion(self.parser, content, tools or [])
             content = parsed.content
             calls = [
                 ToolCall(id=new_call_id(), name=c.name, arguments=c.arguments)
@@ -366,6 +368,7 @@ class Generator:
             parse_tools=call.parse_tools,
             parallel_tool_calls=call.parallel_tool_calls,
             thinking=call.thinking,
+            tools=call.tools,
         )
 
     def record_choice(

@@ -82,6 +82,10 @@ class LiveText:
 
     def _split(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that are safe to show, as ``split_reasoning`` would read them."""
+        own = getattr(self.gen.parser, "split_reasoning", None)
+        if callable(own):  # the parser reads reasoning itself (gpt-oss's channels)
+            split = own(text)
+            return (split.reasoning or "").strip(), self._content(split.content)
         head = text.lstrip()
         if not self.thinking:
             if head.startswith(THINK_OPEN):

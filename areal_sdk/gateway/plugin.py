@@ -14,5 +14,6 @@ from areal_sdk.hookspecs import hookimpl
 
 @hookimpl
 def areal_tool_call_parsers() -> Mapping[str, Callable[[str], Any]]:
-    """``hermes`` (``<tool_call>{json}</tool_call>``) and ``json`` (the fallback)."""
+    """``hermes``, ``llama3_json``, ``mistral``, ``deepseek_v3``, ``qwen3_coder``, ``harmony``
+    (gpt-oss) and ``json`` (the fallback); see ``areal_sdk.gateway.tool_parsers``."""
     return dict(BUILTIN_PARSERS)
