@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from areal_sdk.backends.sglang.launcher import LaunchError
 from areal_sdk.backends.weight_sync.disk import write_hf_weights
 from safetensors.torch import load_file
 
@@ -114,9 +116,13 @@ async def _watching(fleet: EngineFleet) -> asyncio.Task[None]:
     return task
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:
+async def _until(
+    predicate, timeout_s: float, what: str, watcher: asyncio.Task[None] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
+        if watcher is not None and watcher.done():
+            watcher.result()  # the watch's error, not a timeout
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.2)
@@ -209,6 +215,24 @@ async def test_kill_9_mid_generation_requests_finish_and_server_rejoins_at_lates
     await _stop(watcher)
 
 
+async def test_stalled_server_is_restarted(setup) -> None:
+    fleet, recorder, _, _ = setup
+    victim = fleet.members[0]
+    watcher = await _watching(fleet)
+    stopped_at = time.monotonic()
+    os.kill(victim.state.pid, signal.SIGSTOP)  # alive, but answers nothing
+    await _until(
+        lambda: recorder.first_after(stopped_at, "engine-0", "not answered"), 30, "stall", watcher
+    )
+    # Silent for the heartbeat timeout, plus at most one probe's wait.
+    assert (
+        recorder.first_after(stopped_at, "engine-0", "not answered") - stopped_at < 2 * HEARTBEAT_S
+    )
+    await _until(lambda: victim.state.phase == Phase.UP, 240, "engine-0 back up")
+    assert victim.state.restarts == 2 and _served_version(victim.url) == "2"
+    await _stop(watcher)
+
+
 async def test_server_added_mid_run_serves_current_version_and_gets_requests(setup) -> None:
     fleet, _, _, changes = setup
     backend = fleet.backend
@@ -285,3 +309,14 @@ def test_stop_ends_every_server_cleanly(setup) -> None:
     fleet.stop()
     assert survivor.process.returncode == 0  # SIGTERM: areal-sdk engine shuts down, exit 0
     assert all(s.phase == Phase.STOPPED for s in [survivor.state]) and fleet.members == []
+
+
+def test_a_server_that_cannot_start_fails_start_with_its_log(tmp_path: Path) -> None:
+    cfg = Config.model_validate(
+        {"model": {"path": str(tmp_path / "no-such-model")}, "run": {"dir": str(tmp_path)}}
+    )
+    with pytest.raises(
+        LaunchError, match=r"engine-0 exited with code 2 while starting(.|\n)*no-such-model"
+    ):
+        EngineFleet(cfg, servers=1).start()
+    assert (tmp_path / "services" / "engine-0.log").is_file()
