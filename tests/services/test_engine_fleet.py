@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from areal_sdk.config import Config
 from areal_sdk.inference import SamplingParams
 from areal_sdk.services.engine_fleet import EngineFleet
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceFailed, ServiceState
+from tests.backends.embedded.conftest import engine_server, make_engine
+from tests.backends.sglang.conftest import FAKE_LAUNCH_SERVER
 
 pytestmark = pytest.mark.slow
 
@@ -278,6 +281,23 @@ async def test_removed_server_finishes_its_requests_and_gets_no_more(setup) -> N
     assert leaving.url not in {o.meta["server"] for o in after}
 
 
+async def test_attached_server_is_brought_to_the_current_version(setup, tiny_model_dir) -> None:
+    fleet, _, _, _ = setup
+    engine = make_engine(tiny_model_dir)
+    with engine_server(engine) as running:  # a server this fleet did not launch, at version 0
+        url = await fleet.add(running.url)
+        assert _served_version(url) == "2" and url in fleet.urls
+        # Another process's float reductions: equal to rounding.
+        assert _prompt_logprobs(url) == pytest.approx(
+            _prompt_logprobs(fleet.members[0].url), abs=1e-4
+        )
+        out = await fleet.backend.generate(PROMPT, SHORT, request_id="attached:0")
+        assert out.versions == [2] * SHORT.max_new_tokens
+        await fleet.remove(url)
+        assert httpx.get(url + "/health").status_code == 200  # removed, but not ours to stop
+    await engine.close()
+
+
 async def test_server_that_keeps_dying_makes_watch_raise(setup) -> None:
     fleet, _, _, _ = setup
     victim = fleet.members[1]
@@ -320,3 +340,45 @@ def test_a_server_that_cannot_start_fails_start_with_its_log(tmp_path: Path) -> 
     ):
         EngineFleet(cfg, servers=1).start()
     assert (tmp_path / "services" / "engine-0.log").is_file()
+
+
+async def test_sglang_servers_are_launched_and_restarted_the_same_way(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``inference.backend: sglang`` launches ``sglang.launch_server`` (a stand-in here:
+    SGLang cannot run on these machines) and supervises it as any engine server."""
+    fake = tmp_path / "fake-sglang"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    cfg = Config.model_validate(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "inference": {
+                "backend": "sglang",
+                "sglang_python": sys.executable,
+                "launch_timeout_s": 240,
+                "retries": 1,
+            },
+            "run": {"dir": str(tmp_path / "run")},
+        }
+    )
+    recorder = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(fake))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        fleet = EngineFleet(cfg, servers=1, heartbeat_timeout_s=HEARTBEAT_S, on_event=recorder)
+        fleet.start()
+        try:
+            log = (tmp_path / "run" / "services" / "engine-0.log").read_text()
+            assert "fake sglang.launch_server" in log
+            assert (await fleet.backend.generate(PROMPT, SHORT)).output_ids
+            watcher = await _watching(fleet)
+            fleet.kill(0)
+            await _until(
+                lambda: recorder.first_after(0, "engine-0", "serves again"), 240, "restart", watcher
+            )
+            assert (await fleet.backend.generate(PROMPT, SHORT)).output_ids
+            await _stop(watcher)
+        finally:
+            fleet.stop()
