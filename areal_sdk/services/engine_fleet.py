@@ -40,7 +40,6 @@ import httpx
 
 from areal_sdk.backends.sglang.client import SGLangError
 from areal_sdk.services.health import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
     Phase,
     RestartPolicy,
     ServiceKind,
@@ -111,7 +110,7 @@ class EngineFleet:
         if self.count < 1:
             raise ValueError(f"an engine fleet needs at least one server, got {self.count}")
         self.policy = policy or RestartPolicy(cfg.run.max_restarts, cfg.run.restart_window_s)
-        self.heartbeat_timeout_s = heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S
+        self.heartbeat_timeout_s = heartbeat_timeout_s or cfg.run.heartbeat_timeout_s
         self.on_event = on_event or (lambda state, message: log.warning(message))
         self.on_change = on_change
         self.latest_weights = latest_weights
@@ -121,6 +120,7 @@ class EngineFleet:
         self._backend: SGLangBackend | None = None
         self._next_index = 0
         self._recovering: dict[str, asyncio.Task[None]] = {}
+        self._stopped = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -162,7 +162,10 @@ class EngineFleet:
 
     def stop(self) -> None:
         """Stop every launched server (SIGTERM to its group, SIGKILL after a grace). Idempotent.
-        Cancel ``watch()`` first: its restarts run on its event loop."""
+        Cancel ``watch()`` first: its restarts run on its event loop (a restart that is
+        still under way launches nothing more). ``await fleet.backend.close()`` closes the
+        backend's connections."""
+        self._stopped = True
         members, self.members = self.members, []
         for member in members:
             _signal_group(member.process, signal.SIGTERM)
@@ -216,30 +219,33 @@ class EngineFleet:
         # version the backend had before the probe missed a push.
         version = self.backend.version
         members = [m for m in self.members if m.state.phase == Phase.UP]
-        failures = await asyncio.gather(*(self._probe(m) for m in members))
-        for member, reason in zip(members, failures, strict=True):
-            if member.pending is not None or member.state.phase != Phase.UP:
-                continue  # removed or being handled while we probed
-            if reason is not None:
-                # Counted here, not in the task: the failure past the budget raises at once.
-                self.policy.record_failure(member.state, reason)
-                self._out_of_rotation(member)
-                self.on_event(
-                    member.state,
-                    f"engine server {member.state.name} ({member.url}) {reason}; "
-                    f"restarting it ({member.state.restarts} of {self.policy.max_restarts} "
-                    f"in {self.policy.window_s:g} s)",
-                )
-                self._start_recovery(member, restart=True)
-            elif member.served is not None and member.served < version:
-                self._out_of_rotation(member)
-                member.state.enter(Phase.STARTING)
-                self.on_event(
-                    member.state,
-                    f"engine server {member.state.name} serves weight version "
-                    f"{member.served}, not {version}; loading the latest",
-                )
-                self._start_recovery(member, restart=False)
+        # Each server is handled as soon as its own probe ends: a slow one delays no other.
+        await asyncio.gather(*(self._check_one(m, version) for m in members))
+
+    async def _check_one(self, member: _Server, version: int) -> None:
+        reason = await self._probe(member)
+        if member.pending is not None or member.state.phase != Phase.UP:
+            return  # removed or being handled while we probed
+        if reason is not None:
+            # Counted here, not in the task: the failure past the budget raises at once.
+            self.policy.record_failure(member.state, reason)
+            self._out_of_rotation(member)
+            self.on_event(
+                member.state,
+                f"engine server {member.state.name} ({member.url}) {reason}; "
+                f"restarting it ({member.state.restarts} of {self.policy.max_restarts} "
+                f"in {self.policy.window_s:g} s)",
+            )
+            self._start_recovery(member, restart=True)
+        elif member.served is not None and member.served < version:
+            self._out_of_rotation(member)
+            member.state.enter(Phase.STARTING)
+            self.on_event(
+                member.state,
+                f"engine server {member.state.name} serves weight version "
+                f"{member.served}, not {version}; loading the latest",
+            )
+            self._start_recovery(member, restart=False)
 
     def _start_recovery(self, member: _Server, *, restart: bool) -> None:
         member.pending = "restart" if restart else "catch up"
@@ -408,6 +414,8 @@ class EngineFleet:
         return cmd
 
     def _launch(self, member: _Server, *, version: int) -> _Server:
+        if self._stopped:
+            raise RuntimeError("the engine fleet is stopped")
         member.log_path = self.log_dir / f"{member.state.name}.log"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with member.log_path.open("ab") as log_file:
