@@ -288,7 +288,7 @@ class EngineFleet:
                 restart = restarted = True
                 continue
             break
-        self.backend.add_server(member.url)
+        await self._join(member)
         what = "serves again" if restarted else "caught up"
         self._up(
             member,
@@ -307,14 +307,15 @@ class EngineFleet:
                 self._launch(member, version=0)
             await self._wait_up(member)
             await self._catch_up(member)
+            await self._join(member)
         except BaseException as exc:
+            self.backend.remove_server(member.url)
             self.members.remove(member)
             _signal_group(member.process, signal.SIGKILL)
             await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
             if isinstance(exc, _StartFailed):
                 raise RuntimeError(f"engine server {member.state.name} {exc}") from None
             raise
-        self.backend.add_server(member.url)
         self._up(member, f"engine server {member.state.name} joined at {member.url}")
         self._changed()
         return member.url
@@ -505,6 +506,13 @@ class EngineFleet:
             if self.backend.version == version:
                 return
             # A push landed while this server loaded (it was not in rotation): load again.
+
+    async def _join(self, member: _Server) -> None:
+        """Put ``member`` in rotation, paused first if the fleet is (a weight push is under
+        way: the other servers hold their requests until ``resume()``, which reaches it too)."""
+        if self.backend.paused:
+            await self._control(member).post_json("/pause_generation", {"mode": "abort"})
+        self.backend.add_server(member.url)
 
     def _as_directory(self, source: object) -> Path:
         """A directory the server can load: ``source`` itself, or named tensors written as

@@ -285,7 +285,11 @@ async def test_attached_server_is_brought_to_the_current_version(setup, tiny_mod
     fleet, _, _, _ = setup
     engine = make_engine(tiny_model_dir)
     with engine_server(engine) as running:  # a server this fleet did not launch, at version 0
+        await fleet.backend.pause()  # a weight push under way: it joins paused
         url = await fleet.add(running.url)
+        assert (await engine.health())["paused"] is not None
+        await fleet.backend.resume()
+        assert (await engine.health())["paused"] is None
         assert _served_version(url) == "2" and url in fleet.urls
         # Another process's float reductions: equal to rounding.
         assert _prompt_logprobs(url) == pytest.approx(
