@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 RESTART_WEIGHTS_DIR = "restart-weights"
+CATCH_UP_TRIES = 3  # loads in a row that a newer push overtook, before the server counts as failed
 
 # (state of the server, what happened): for the progress display and the run's log.
 OnEvent = Callable[[ServiceState, str], None]
@@ -484,7 +485,7 @@ class EngineFleet:
         """Load the latest weights into ``member`` alone, under their version; again if a
         push landed meanwhile."""
         client = self._control(member)
-        while True:
+        for _ in range(CATCH_UP_TRIES):
             target = self.backend.version
             weights = await self.latest_weights() if self.latest_weights else None
             if weights is not None:
@@ -503,9 +504,13 @@ class EngineFleet:
                 "/update_weight_version",
                 {"new_version": str(version), "abort_all_requests": False},
             )
-            if self.backend.version == version:
+            if version >= self.backend.version:
                 return
             # A push landed while this server loaded (it was not in rotation): load again.
+        raise _StartFailed(
+            f"could not catch up: the latest weights are version {version}, the other "
+            f"servers serve {self.backend.version}"
+        )
 
     async def _join(self, member: _Server) -> None:
         """Put ``member`` in rotation, paused first if the fleet is (a weight push is under
