@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 
 from areal_sdk.cli._common import console, fail
@@ -77,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from areal_sdk.services.orphan import exit_with_parent
 
     exit_with_parent()  # started by an engine fleet: never outlive it
-    # SIGTERM ends the server cleanly (exit 0): uvicorn finishes its shutdown, then hands the
-    # signal back to this handler.
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+    # SIGTERM ends the server cleanly (exit 0). While the model loads there is nothing to
+    # close; once serving, uvicorn finishes its shutdown and hands the signal back.
+    signal.signal(signal.SIGTERM, _exit_now)
 
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
     from areal_sdk.backends.embedded.server import KEEP_ALIVE_S, create_app
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             )
     except (ModelNotFoundError, MaxModelLenError, WeightMismatchError) as exc:
         return fail(str(exc))
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
     )
@@ -125,3 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    os._exit(0)

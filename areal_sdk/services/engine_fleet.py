@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from areal_sdk.backends.sglang.client import SGLangError
 from areal_sdk.services.health import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
     Phase,
     RestartPolicy,
     ServiceKind,
@@ -51,6 +51,7 @@ from areal_sdk.supervisor import LatestWeights
 if TYPE_CHECKING:
     from areal_sdk.backends.sglang import SGLangBackend
     from areal_sdk.backends.sglang.client import ServerClient
+    from areal_sdk.backends.sglang.pool import Server
     from areal_sdk.config import Config
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 RESTART_WEIGHTS_DIR = "restart-weights"
+CATCH_UP_TRIES = 3  # loads in a row that a newer push overtook, before the server counts as failed
 
 # (state of the server, what happened): for the progress display and the run's log.
 OnEvent = Callable[[ServiceState, str], None]
@@ -76,6 +78,8 @@ class _Server:
     process: subprocess.Popen[bytes] | None = None  # None: attached, not launched here
     log_path: Path | None = None
     last_ok: float = 0.0  # monotonic time of the last answered /health
+    served: int | None = None  # the weight version it said it serves, at the last probe
+    pending: str | None = None  # "restart" or "catch up": out of rotation until done
     control: ServerClient | None = None
 
     @property
@@ -107,7 +111,7 @@ class EngineFleet:
         if self.count < 1:
             raise ValueError(f"an engine fleet needs at least one server, got {self.count}")
         self.policy = policy or RestartPolicy(cfg.run.max_restarts, cfg.run.restart_window_s)
-        self.heartbeat_timeout_s = heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S
+        self.heartbeat_timeout_s = heartbeat_timeout_s or cfg.run.heartbeat_timeout_s
         self.on_event = on_event or (lambda state, message: log.warning(message))
         self.on_change = on_change
         self.latest_weights = latest_weights
@@ -117,6 +121,7 @@ class EngineFleet:
         self._backend: SGLangBackend | None = None
         self._next_index = 0
         self._recovering: dict[str, asyncio.Task[None]] = {}
+        self._stopped = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -158,7 +163,10 @@ class EngineFleet:
 
     def stop(self) -> None:
         """Stop every launched server (SIGTERM to its group, SIGKILL after a grace). Idempotent.
-        Cancel ``watch()`` first: its restarts run on its event loop."""
+        Cancel ``watch()`` first: its restarts run on its event loop (a restart that is
+        still under way launches nothing more). ``await fleet.backend.close()`` closes the
+        backend's connections."""
+        self._stopped = True
         members, self.members = self.members, []
         for member in members:
             _signal_group(member.process, signal.SIGTERM)
@@ -191,64 +199,101 @@ class EngineFleet:
                 await self.check()
                 await asyncio.sleep(poll_s)
         finally:
+            # A recovery cut short here is resumed by the next watch (``member.pending``).
             for task in self._recovering.values():
                 task.cancel()
+            self._recovering.clear()
 
     async def check(self) -> None:
-        """One round of probes; starts the recovery of each failed server and raises the
-        error of a recovery that gave up."""
+        """One round: probe the servers in rotation, start the recovery of each one that
+        failed (or resume one a cancelled watch left halfway), and raise the error of a
+        recovery that gave up."""
         for name, task in list(self._recovering.items()):
             if task.done():
                 del self._recovering[name]
                 task.result()  # ServiceFailed, or the error that stopped the restart
+        for member in self.members:
+            resumable = member.pending is not None and member.state.phase != Phase.FAILED
+            if resumable and member.state.name not in self._recovering:
+                self._start_recovery(member, restart=member.pending == "restart")
+        # Servers take a pushed version before the backend does: one that reads below the
+        # version the backend had before the probe missed a push.
+        version = self.backend.version
         members = [m for m in self.members if m.state.phase == Phase.UP]
-        failures = await asyncio.gather(*(self._probe(m) for m in members))
-        for member, reason in zip(members, failures, strict=True):
-            if reason is not None and member.state.name not in self._recovering:
-                # Counted here, not in the task: the failure past the budget raises at once.
-                self.policy.record_failure(member.state, reason)
-                self._out_of_rotation(member)
-                self.on_event(
-                    member.state,
-                    f"engine server {member.state.name} ({member.url}) {reason}; "
-                    f"restarting it ({member.state.restarts} of {self.policy.max_restarts} "
-                    f"in {self.policy.window_s:g} s)",
-                )
-                self._recovering[member.state.name] = asyncio.create_task(self._recover(member))
+        # Each server is handled as soon as its own probe ends: a slow one delays no other.
+        await asyncio.gather(*(self._check_one(m, version) for m in members))
+
+    async def _check_one(self, member: _Server, version: int) -> None:
+        reason = await self._probe(member)
+        if member.pending is not None or member.state.phase != Phase.UP:
+            return  # removed or being handled while we probed
+        if reason is not None:
+            # Counted here, not in the task: the failure past the budget raises at once.
+            self.policy.record_failure(member.state, reason)
+            self._out_of_rotation(member)
+            self.on_event(
+                member.state,
+                f"engine server {member.state.name} ({member.url}) {reason}; "
+                f"restarting it ({member.state.restarts} of {self.policy.max_restarts} "
+                f"in {self.policy.window_s:g} s)",
+            )
+            self._start_recovery(member, restart=True)
+        elif member.served is not None and member.served < version:
+            self._out_of_rotation(member)
+            member.state.enter(Phase.STARTING)
+            self.on_event(
+                member.state,
+                f"engine server {member.state.name} serves weight version "
+                f"{member.served}, not {version}; loading the latest",
+            )
+            self._start_recovery(member, restart=False)
+
+    def _start_recovery(self, member: _Server, *, restart: bool) -> None:
+        member.pending = "restart" if restart else "catch up"
+        self._recovering[member.state.name] = asyncio.create_task(
+            self._recover(member, restart=restart)
+        )
 
     async def _probe(self, member: _Server) -> str | None:
-        """Why ``member`` must be restarted, or None while it is well."""
+        """Why ``member`` must be restarted, or None while it is well (then
+        ``member.served`` is the weight version it serves, where it says)."""
+        member.served = None
         if member.process is not None and (code := member.process.poll()) is not None:
             return f"exited with code {code}"
-        if await self._healthy(member, timeout_s=max(0.5, self.heartbeat_timeout_s / 2)):
+        if await self._healthy(member, timeout_s=self._probe_timeout_s):
             member.last_ok = time.monotonic()
+            member.served = await self._served_version(member)
             return None
         silent = time.monotonic() - member.last_ok
         if silent > self.heartbeat_timeout_s:
             return f"has not answered /health for {silent:.0f} s"
         return None
 
-    async def _recover(self, member: _Server) -> None:
-        """Restart ``member`` (already counted and out of rotation) until it serves the
-        latest weights; each failed start counts against the policy too."""
+    async def _recover(self, member: _Server, *, restart: bool = True) -> None:
+        """Restart ``member`` (already counted and out of rotation), bring it to the latest
+        weights, and put it back in rotation. A start or a weight load that fails counts
+        against the policy too, and is retried with a fresh process."""
+        restarted = restart
         while True:
-            _signal_group(member.process, signal.SIGKILL)
-            await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
             try:
-                if member.process is not None:
-                    self._launch(member, version=0)
-                await self._wait_up(member)
+                if restart:
+                    _signal_group(member.process, signal.SIGKILL)
+                    await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
+                    if member.process is not None:
+                        self._launch(member, version=0)
+                    await self._wait_up(member)
                 await self._catch_up(member)
-            except _StartFailed as exc:
+            except (_StartFailed, ConnectionError, SGLangError) as exc:
                 self.policy.record_failure(member.state, str(exc))
-                self.on_event(member.state, f"engine server {member.state.name} {exc}")
+                self.on_event(member.state, f"engine server {member.state.name}: {exc}")
+                restart = restarted = True
                 continue
             break
-        self.backend.add_server(member.url)
+        await self._join(member)
+        what = "serves again" if restarted else "caught up"
         self._up(
             member,
-            f"engine server {member.state.name} serves again at weight version "
-            f"{self.backend.version}",
+            f"engine server {member.state.name} {what} at weight version {self.backend.version}",
         )
         self._changed()
 
@@ -263,14 +308,15 @@ class EngineFleet:
                 self._launch(member, version=0)
             await self._wait_up(member)
             await self._catch_up(member)
+            await self._join(member)
         except BaseException as exc:
+            self.backend.remove_server(member.url)
             self.members.remove(member)
             _signal_group(member.process, signal.SIGKILL)
             await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
             if isinstance(exc, _StartFailed):
                 raise RuntimeError(f"engine server {member.state.name} {exc}") from None
             raise
-        self.backend.add_server(member.url)
         self._up(member, f"engine server {member.state.name} joined at {member.url}")
         self._changed()
         return member.url
@@ -281,30 +327,28 @@ class EngineFleet:
         member = next((m for m in self.members if m.url == url.rstrip("/")), None)
         if member is None:
             raise KeyError(f"no engine server {url} in this fleet")
+        member.pending = None
         task = self._recovering.pop(member.state.name, None)
         if task is not None:
             task.cancel()
         member.state.enter(Phase.STOPPED)
+        ours = self.backend.pool.find(member.url)
         self._out_of_rotation(member)
         self.on_event(member.state, f"engine server {member.state.name} leaves ({url})")
-        await self._drain(member)
+        await self._drain(member, ours)
         self.members.remove(member)
         _signal_group(member.process, signal.SIGTERM)
         await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
 
-    async def _drain(self, member: _Server) -> None:
-        """Wait until the server runs no request, ours or another client's (bounded)."""
+    async def _drain(self, member: _Server, ours: Server | None) -> None:
+        """Wait until the server runs no request, this backend's or another client's (the
+        gateway's), twice in a row: a request may still be on its way in. Bounded."""
         deadline = time.monotonic() + self.drain_timeout_s
+        quiet = 0
         while time.monotonic() < deadline:
-            try:
-                load = (await self._control(member).get("/get_load", timeout_s=5)).json()
-            except Exception:  # gone already, or an SGLang without the route: nothing to wait for
-                return
-            if isinstance(load, list):  # SGLang answers one entry per data-parallel rank
-                running = sum(int(x.get("num_reqs", 0)) for x in load)
-            else:
-                running = int(load.get("num_reqs", 0))
-            if running == 0:
+            running = (ours.in_flight if ours is not None else 0) + await self._load(member)
+            quiet = quiet + 1 if running == 0 else 0
+            if quiet >= 2:
                 return
             await asyncio.sleep(0.2)
         log.warning(
@@ -312,6 +356,17 @@ class EngineFleet:
             member.url,
             self.drain_timeout_s,
         )
+
+    async def _load(self, member: _Server) -> int:
+        """Requests the server runs or queues (0 if it cannot say)."""
+        try:
+            async with asyncio.timeout(5):
+                load = (await self._control(member).get("/get_load")).json()
+        except Exception:  # gone already, or an SGLang without the route
+            return 0
+        if isinstance(load, list):  # SGLang answers one entry per data-parallel rank
+            return sum(int(x.get("num_reqs", 0)) for x in load)
+        return int(load.get("num_reqs", 0))
 
     # -- one server -------------------------------------------------------------------------
 
@@ -361,6 +416,8 @@ class EngineFleet:
         return cmd
 
     def _launch(self, member: _Server, *, version: int) -> _Server:
+        if self._stopped:
+            raise RuntimeError("the engine fleet is stopped")
         member.log_path = self.log_dir / f"{member.state.name}.log"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with member.log_path.open("ab") as log_file:
@@ -428,7 +485,7 @@ class EngineFleet:
         """Load the latest weights into ``member`` alone, under their version; again if a
         push landed meanwhile."""
         client = self._control(member)
-        while True:
+        for _ in range(CATCH_UP_TRIES):
             target = self.backend.version
             weights = await self.latest_weights() if self.latest_weights else None
             if weights is not None:
@@ -447,9 +504,20 @@ class EngineFleet:
                 "/update_weight_version",
                 {"new_version": str(version), "abort_all_requests": False},
             )
-            if self.backend.version == version:
+            if version >= self.backend.version:
                 return
             # A push landed while this server loaded (it was not in rotation): load again.
+        raise _StartFailed(
+            f"could not catch up: the latest weights are version {version}, the other "
+            f"servers serve {self.backend.version}"
+        )
+
+    async def _join(self, member: _Server) -> None:
+        """Put ``member`` in rotation, paused first if the fleet is (a weight push is under
+        way: the other servers hold their requests until ``resume()``, which reaches it too)."""
+        if self.backend.paused:
+            await self._control(member).post_json("/pause_generation", {"mode": "abort"})
+        self.backend.add_server(member.url)
 
     def _as_directory(self, source: object) -> Path:
         """A directory the server can load: ``source`` itself, or named tensors written as
@@ -462,19 +530,39 @@ class EngineFleet:
         write_hf_weights([list(source.items())], out, model_dir=self.cfg.model.path)
         return out.resolve()
 
+    async def _served_version(self, member: _Server) -> int | None:
+        from areal_sdk.backends.sglang.protocol import parse_version
+
+        route = "/get_weight_version"
+        try:
+            async with asyncio.timeout(self._probe_timeout_s):  # one try, bounded
+                data = (await self._control(member).get(route)).json()
+        except Exception:  # an SGLang without the route: the version is not watched
+            return None
+        return parse_version(data.get("weight_version"))
+
     async def _healthy(self, member: _Server, *, timeout_s: float) -> bool:
-        return await self._control(member).healthy(timeout_s=timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s + 1):  # a bound whatever the client does
+                return await self._control(member).healthy(timeout_s=timeout_s)
+        except TimeoutError:
+            return False
+
+    @property
+    def _probe_timeout_s(self) -> float:
+        return max(0.5, self.heartbeat_timeout_s / 2)
 
     def _control(self, member: _Server) -> ServerClient:
         from areal_sdk.backends.sglang.client import ServerClient
 
         if member.control is None:
             member.control = ServerClient(
-                member.url, timeout_s=self.cfg.inference.request_timeout_s, retries=2
+                member.url, timeout_s=self.cfg.inference.request_timeout_s, retries=1
             )
         return member.control
 
     def _up(self, member: _Server, message: str) -> None:
+        member.pending = None
         member.last_ok = time.monotonic()
         member.state.enter(Phase.UP)
         self.on_event(member.state, message)

@@ -175,6 +175,11 @@ class SGLangBackend(InferenceBackend):
     def version(self) -> int:
         return self._version
 
+    @property
+    def paused(self) -> bool:
+        """Between ``pause()`` and ``resume()``: a server joining now must be paused too."""
+        return self._paused
+
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, request_id: str | None = None
     ) -> GenerateOutput:

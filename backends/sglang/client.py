@@ -13,6 +13,7 @@ of rotation and send the request elsewhere.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import httpx
@@ -80,10 +81,13 @@ class ServerClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
-        self._clients: dict[int, httpx.AsyncClient] = {}
+        # Keyed by the loop itself, weakly: a loop's id can be reused by a later loop once
+        # the first is gone, and a client of a dead loop would hang the new one's calls.
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]
+        self._clients = weakref.WeakKeyDictionary()
 
     def _client(self) -> httpx.AsyncClient:
-        loop = id(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None or client.is_closed:
             client = httpx.AsyncClient(
@@ -163,9 +167,9 @@ class ServerClient:
         return response.status_code == 200
 
     async def aclose(self) -> None:
-        clients, self._clients = self._clients, {}
-        loop = id(asyncio.get_running_loop())
-        for key, client in clients.items():
+        clients, self._clients = self._clients, weakref.WeakKeyDictionary()
+        loop = asyncio.get_running_loop()
+        for key, client in list(clients.items()):
             if key == loop:
                 await client.aclose()
             # Clients of other loops die with their loops; closing them here would hang.

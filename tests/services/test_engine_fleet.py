@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from areal_sdk.backends.sglang.launcher import LaunchError
 from areal_sdk.backends.weight_sync.disk import write_hf_weights
 from safetensors.torch import load_file
 
@@ -23,10 +26,12 @@ from areal_sdk.config import Config
 from areal_sdk.inference import SamplingParams
 from areal_sdk.services.engine_fleet import EngineFleet
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceFailed, ServiceState
+from tests.backends.embedded.conftest import engine_server, make_engine
+from tests.backends.sglang.conftest import FAKE_LAUNCH_SERVER
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_S = 3.0
+HEARTBEAT_S = 5.0  # generous: CI machines can be slow to answer under load
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
 LONG = SamplingParams(max_new_tokens=120, ignore_eos=True)
 SHORT = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -114,9 +119,13 @@ async def _watching(fleet: EngineFleet) -> asyncio.Task[None]:
     return task
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:
+async def _until(
+    predicate, timeout_s: float, what: str, watcher: asyncio.Task[None] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
+        if watcher is not None and watcher.done():
+            watcher.result()  # the watch's error, not a timeout
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.2)
@@ -209,6 +218,24 @@ async def test_kill_9_mid_generation_requests_finish_and_server_rejoins_at_lates
     await _stop(watcher)
 
 
+async def test_stalled_server_is_restarted(setup) -> None:
+    fleet, recorder, _, _ = setup
+    victim = fleet.members[0]
+    watcher = await _watching(fleet)
+    stopped_at = time.monotonic()
+    os.kill(victim.state.pid, signal.SIGSTOP)  # alive, but answers nothing
+    await _until(
+        lambda: recorder.first_after(stopped_at, "engine-0", "not answered"), 30, "stall", watcher
+    )
+    # Silent for the heartbeat timeout, plus at most one probe's wait.
+    assert (
+        recorder.first_after(stopped_at, "engine-0", "not answered") - stopped_at < 2 * HEARTBEAT_S
+    )
+    await _until(lambda: victim.state.phase == Phase.UP, 240, "engine-0 back up")
+    assert victim.state.restarts == 2 and _served_version(victim.url) == "2"
+    await _stop(watcher)
+
+
 async def test_server_added_mid_run_serves_current_version_and_gets_requests(setup) -> None:
     fleet, _, _, changes = setup
     backend = fleet.backend
@@ -254,6 +281,27 @@ async def test_removed_server_finishes_its_requests_and_gets_no_more(setup) -> N
     assert leaving.url not in {o.meta["server"] for o in after}
 
 
+async def test_attached_server_is_brought_to_the_current_version(setup, tiny_model_dir) -> None:
+    fleet, _, _, _ = setup
+    engine = make_engine(tiny_model_dir)
+    with engine_server(engine) as running:  # a server this fleet did not launch, at version 0
+        await fleet.backend.pause()  # a weight push under way: it joins paused
+        url = await fleet.add(running.url)
+        assert (await engine.health())["paused"] is not None
+        await fleet.backend.resume()
+        assert (await engine.health())["paused"] is None
+        assert _served_version(url) == "2" and url in fleet.urls
+        # Another process's float reductions: equal to rounding.
+        assert _prompt_logprobs(url) == pytest.approx(
+            _prompt_logprobs(fleet.members[0].url), abs=1e-4
+        )
+        out = await fleet.backend.generate(PROMPT, SHORT, request_id="attached:0")
+        assert out.versions == [2] * SHORT.max_new_tokens
+        await fleet.remove(url)
+        assert httpx.get(url + "/health").status_code == 200  # removed, but not ours to stop
+    await engine.close()
+
+
 async def test_server_that_keeps_dying_makes_watch_raise(setup) -> None:
     fleet, _, _, _ = setup
     victim = fleet.members[1]
@@ -285,3 +333,56 @@ def test_stop_ends_every_server_cleanly(setup) -> None:
     fleet.stop()
     assert survivor.process.returncode == 0  # SIGTERM: areal-sdk engine shuts down, exit 0
     assert all(s.phase == Phase.STOPPED for s in [survivor.state]) and fleet.members == []
+
+
+def test_a_server_that_cannot_start_fails_start_with_its_log(tmp_path: Path) -> None:
+    cfg = Config.model_validate(
+        {"model": {"path": str(tmp_path / "no-such-model")}, "run": {"dir": str(tmp_path)}}
+    )
+    with pytest.raises(
+        LaunchError, match=r"engine-0 exited with code 2 while starting(.|\n)*no-such-model"
+    ):
+        EngineFleet(cfg, servers=1).start()
+    assert (tmp_path / "services" / "engine-0.log").is_file()
+
+
+async def test_sglang_servers_are_launched_and_restarted_the_same_way(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``inference.backend: sglang`` launches ``sglang.launch_server`` (a stand-in here:
+    SGLang cannot run on these machines) and supervises it as any engine server."""
+    fake = tmp_path / "fake-sglang"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    cfg = Config.model_validate(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "inference": {
+                "backend": "sglang",
+                "sglang_python": sys.executable,
+                "launch_timeout_s": 240,
+                "retries": 1,
+            },
+            "run": {"dir": str(tmp_path / "run")},
+        }
+    )
+    recorder = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(fake))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        fleet = EngineFleet(cfg, servers=1, heartbeat_timeout_s=HEARTBEAT_S, on_event=recorder)
+        fleet.start()
+        try:
+            log = (tmp_path / "run" / "services" / "engine-0.log").read_text()
+            assert "fake sglang.launch_server" in log
+            assert (await fleet.backend.generate(PROMPT, SHORT)).output_ids
+            watcher = await _watching(fleet)
+            fleet.kill(0)
+            await _until(
+                lambda: recorder.first_after(0, "engine-0", "serves again"), 240, "restart", watcher
+            )
+            assert (await fleet.backend.generate(PROMPT, SHORT)).output_ids
+            await _stop(watcher)
+        finally:
+            fleet.stop()

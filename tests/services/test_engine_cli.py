@@ -1,0 +1,59 @@
+"""``areal-sdk engine`` as a fleet starts it: a weight version and a name from the command
+line, and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from areal_sdk.backends.sglang.launcher import _free_port
+
+
+@pytest.mark.slow
+def test_engine_serves_its_weight_version_and_exits_0_on_sigterm(tiny_model_dir: Path) -> None:
+    port = _free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "areal_sdk", "engine", "--model", str(tiny_model_dir),
+         "--port", str(port), "--max-batch-size", "2", "--max-model-len", "128",
+         "--weight-version", "5", "--served-model-name", "policy"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert engine.poll() is None, engine.stderr.read()
+            try:
+                info = httpx.get(url + "/get_model_info", timeout=5).json()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the engine did not come up"
+                time.sleep(0.3)
+        assert info["weight_version"] == "5" and info["served_model_name"] == "policy"
+        engine.send_signal(signal.SIGTERM)
+        assert engine.wait(30) == 0
+        assert "Traceback" not in engine.stderr.read()
+    finally:
+        engine.kill()
+        engine.wait(10)
+
+
+def test_a_negative_weight_version_is_one_error_line(tiny_model_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_sdk", "engine", "--model", str(tiny_model_dir),
+         "--weight-version", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: --weight-version must be >= 0, got -1"]
