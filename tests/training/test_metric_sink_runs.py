@@ -1,0 +1,97 @@
+"""Metric sinks in a real ``areal-sdk train``: MLflow, and the third-party CSV sink of
+examples/plugins/csv_sink installed from its own directory as docs/plugins.md shows."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "plugins" / "csv_sink"
+
+
+@pytest.fixture(scope="module")
+def csv_sink_path(tmp_path_factory) -> Path:
+    """The example installed with pip (no dependencies: areal-sdk is here already) into a
+    directory of its own; on ``PYTHONPATH`` its entry point is seen as any installed one."""
+    work = tmp_path_factory.mktemp("csv_sink")
+    source = shutil.copytree(EXAMPLE, work / "source")  # pip builds in the source tree
+    target = work / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        + ["--target", str(target), str(source)],
+        check=True,
+        timeout=300,
+    )
+    return target
+
+
+def cli(*args, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "areal_sdk", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_the_installed_csv_sink_is_listed_by_areal_sdk_plugins(csv_sink_path):
+    done = cli("plugins", "--json", pythonpath=csv_sink_path)
+    assert done.returncode == 0, done.stderr
+    (plugin,) = [p for p in json.loads(done.stdout) if p["name"] == "csv_sink"]
+    assert plugin["provides"] == {"metric_sink": ["csv"]}
+    assert plugin["source"] == "areal-csv-sink 0.1.0" and plugin["usable"]
+
+
+@pytest.mark.slow
+def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(
+    run_config, csv_sink_path
+):
+    from mlflow.tracking import MlflowClient
+
+    config = run_config(run={"steps": 3, "metric_sinks": ["jsonl", "mlflow", "csv"]})
+    done = cli("train", config, pythonpath=csv_sink_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    run_dir = config.parent / "run"
+
+    # MLflow, in its default store in the run directory: every step, the held-out reward,
+    # the config as params and each step's trajectories decoded.
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    steps = [m.step for m in client.get_metric_history(run_id, "rollout/reward_mean")]
+    assert steps == [1, 2, 3]
+    versions = client.get_metric_history(run_id, "weights/version")
+    assert [(m.step, m.value) for m in versions] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    assert run.data.metrics["eval/before_mean"] == pytest.approx(evaluation["before"]["mean"])
+    assert run.data.metrics["eval/after_mean"] == pytest.approx(evaluation["after"]["mean"])
+    assert "eval/gain" in run.data.metrics
+    assert run.data.params["agent.entry"] == "toy_agent:solve"
+    assert run.data.params["run.steps"] == "3"
+    tables = [a.path for a in client.list_artifacts(run_id, "trajectories")]
+    assert tables == [f"trajectories/step_00000{s}.json" for s in (1, 2, 3)]
+    table = json.loads(Path(client.download_artifacts(run_id, tables[-1])).read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert len({r["episode"] for r in rows}) == 4  # run.trajectory_samples episodes
+    assert all("What is" in r["prompt"] and "<|im_start|>assistant" in r["prompt"] for r in rows)
+    assert all(r["step"] == 3 and r["reward"] in (0.0, 1.0) for r in rows)
+
+    # The third-party sink got the same steps and the held-out reward.
+    with (run_dir / "metrics.csv").open() as f:
+        logged = list(csv.DictReader(f))
+    rewards = [int(r["step"]) for r in logged if r["name"] == "rollout/reward_mean"]
+    assert rewards == [1, 2, 3]
+    assert {r["name"] for r in logged if r["step"] == "0"} == {"eval/before_mean", "eval/before_sem"}
