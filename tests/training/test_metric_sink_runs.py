@@ -95,3 +95,32 @@ def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(
     rewards = [int(r["step"]) for r in logged if r["name"] == "rollout/reward_mean"]
     assert rewards == [1, 2, 3]
     assert {r["name"] for r in logged if r["step"] == "0"} == {"eval/before_mean", "eval/before_sem"}
+
+
+def test_train_with_a_sink_whose_library_is_missing_fails_at_start_naming_the_extra(run_config):
+    config = run_config(run={"metric_sinks": ["jsonl", "wandb"]})
+    hide_wandb = "import sys; sys.modules['wandb'] = None; from areal_sdk.cli import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", hide_wandb, "train", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        "error: metric sink 'wandb' (plugin 'wandb') is unusable here: missing wandb: "
+        'pip install "areal-sdk[wandb]"'
+    ]
+    assert "starting the engine" not in done.stdout
+
+
+def test_train_names_an_unknown_sink_option(run_config):
+    config = run_config(
+        run={"metric_sinks": ["mlflow"], "metric_sink_options": {"mlflow": {"uri": "x"}}}
+    )
+    done = cli("train", config)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: run.metric_sink_options.mlflow: unknown option(s) uri; the mlflow sink takes: "
+        "tracking_uri, experiment, run_name, tags"
+    ]
