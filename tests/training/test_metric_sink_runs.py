@@ -23,9 +23,9 @@ def csv_sink_path(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("csv_sink")
     source = shutil.copytree(EXAMPLE, work / "source")  # pip builds in the source tree
     target = work / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
-        + ["--target", str(target), str(source)],
+        [*pip, "--target", str(target), str(source)],
         check=True,
         timeout=300,
     )
@@ -55,9 +55,7 @@ def test_the_installed_csv_sink_is_listed_by_areal_sdk_plugins(csv_sink_path):
 
 
 @pytest.mark.slow
-def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(
-    run_config, csv_sink_path
-):
+def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(run_config, csv_sink_path):
     from mlflow.tracking import MlflowClient
 
     config = run_config(run={"steps": 3, "metric_sinks": ["jsonl", "mlflow", "csv"]})
@@ -94,7 +92,10 @@ def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(
         logged = list(csv.DictReader(f))
     rewards = [int(r["step"]) for r in logged if r["name"] == "rollout/reward_mean"]
     assert rewards == [1, 2, 3]
-    assert {r["name"] for r in logged if r["step"] == "0"} == {"eval/before_mean", "eval/before_sem"}
+    assert {r["name"] for r in logged if r["step"] == "0"} == {
+        "eval/before_mean",
+        "eval/before_sem",
+    }
 
 
 def test_train_with_a_sink_whose_library_is_missing_fails_at_start_naming_the_extra(run_config):
