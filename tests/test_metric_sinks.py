@@ -45,7 +45,7 @@ def _log_a_run(logger: MetricLogger) -> list[dict]:
 # -- W&B -------------------------------------------------------------------------------------
 
 
-def _wandb_records(run_file: Path):
+def wandb_records(run_file: Path):
     """The records of a ``run-ID.wandb`` transaction log: W&B's 7-byte header, then LevelDB's
     log format (32 KiB blocks of chunks, each with a crc, a length and a type)."""
     from wandb.proto import wandb_internal_pb2 as pb
@@ -67,14 +67,14 @@ def _wandb_records(run_file: Path):
             yield record
 
 
-def _wandb_run(wandb_dir: Path) -> tuple[list[dict], dict, dict, Path]:
+def read_wandb_run(wandb_dir: Path) -> tuple[list[dict], dict, dict, Path]:
     """History rows, the final summary, the config and the files directory of the one run."""
     import wandb
 
     wandb.teardown()  # the W&B service writes the log's last records after finish() returns
     (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
     history, summary, config = [], {}, {}
-    for record in _wandb_records(run_file):
+    for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(
@@ -102,7 +102,7 @@ def test_wandb_sink_runs_offline_without_a_key_and_logs_steps_eval_config_and_tr
     factory = PluginHost().metric_sink("wandb")
     rows = _log_a_run(MetricLogger([open_sink("wandb", factory, run_dir, {"project": "p"})]))
 
-    history, summary, config, files = _wandb_run(run_dir)  # offline, under the run directory
+    history, summary, config, files = read_wandb_run(run_dir)  # offline, under the run directory
     steps = [
         (h["step"], h.get("rollout/reward_mean")) for h in history if "trajectories/_type" not in h
     ]

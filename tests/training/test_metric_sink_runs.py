@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_metric_sinks import read_wandb_run
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "plugins" / "csv_sink"
 
 
@@ -32,8 +34,10 @@ def csv_sink_path(tmp_path_factory) -> Path:
     return target
 
 
-def cli(*args, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
+def cli(
+    *args, pythonpath: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **(env or {})}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     return subprocess.run(
@@ -55,11 +59,14 @@ def test_the_installed_csv_sink_is_listed_by_areal_sdk_plugins(csv_sink_path):
 
 
 @pytest.mark.slow
-def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(run_config, csv_sink_path):
+def test_a_run_logs_every_step_to_mlflow_wandb_and_the_third_party_csv_sink(
+    run_config, csv_sink_path
+):
     from mlflow.tracking import MlflowClient
 
-    config = run_config(run={"steps": 3, "metric_sinks": ["jsonl", "mlflow", "csv"]})
-    done = cli("train", config, pythonpath=csv_sink_path)
+    config = run_config(run={"steps": 3, "metric_sinks": ["jsonl", "mlflow", "wandb", "csv"]})
+    offline = {"WANDB_MODE": "offline", "WANDB_API_KEY": ""}
+    done = cli("train", config, pythonpath=csv_sink_path, env=offline)
     assert done.returncode == 0, done.stderr + done.stdout
     run_dir = config.parent / "run"
 
@@ -86,6 +93,16 @@ def test_a_run_logs_every_step_to_mlflow_and_to_the_third_party_csv_sink(run_con
     assert len({r["episode"] for r in rows}) == 4  # run.trajectory_samples episodes
     assert all("What is" in r["prompt"] and "<|im_start|>assistant" in r["prompt"] for r in rows)
     assert all(r["step"] == 3 and r["reward"] in (0.0, 1.0) for r in rows)
+
+    # W&B, offline under the run directory: the same steps, the gain, the decoded tables.
+    history, summary, wandb_config, files = read_wandb_run(run_dir)
+    assert [h["step"] for h in history if "rollout/reward_mean" in h] == [1, 2, 3]
+    assert summary["eval/gain"] == pytest.approx(run.data.metrics["eval/gain"])
+    assert wandb_config["agent"]["entry"] == "toy_agent:solve"
+    tables = [h for h in history if h.get("trajectories/_type") == "table-file"]
+    assert [t["step"] for t in tables] == [1, 2, 3]
+    table = json.loads((files / tables[-1]["trajectories/path"]).read_text())
+    assert [row[4] for row in table["data"]] == [r["prompt"] for r in rows]  # as MLflow's
 
     # The third-party sink got the same steps and the held-out reward.
     with (run_dir / "metrics.csv").open() as f:
