@@ -70,6 +70,9 @@ class WandbSink:
         else:
             run_id = secrets.token_hex(4)  # W&B run ids are short alphanumerics
             id_file.write_text(run_id + "\n")
+        # W&B would start Weave, which sends the agent's LLM calls to W&B, when the agent
+        # imported it: trajectories leave the machine only through an exporter turned on.
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
         if mode is None and not os.environ.get("WANDB_MODE") and not _has_api_key():
             mode = "offline"
         self.run = wandb.init(
