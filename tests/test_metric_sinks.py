@@ -93,8 +93,10 @@ def read_wandb_run(wandb_dir: Path) -> tuple[list[dict], dict, dict, Path]:
 
 
 def test_wandb_sink_runs_offline_without_a_key_and_logs_steps_eval_config_and_trajectories(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capfd
 ):
+    import openai  # noqa: F401  (an agent's framework: W&B offers to trace it with Weave)
+
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a W&B key either
@@ -121,6 +123,7 @@ def test_wandb_sink_runs_offline_without_a_key_and_logs_steps_eval_config_and_tr
         ["ids[1, 2]", "ids[3]", 0.0],
     ]
     assert table["data"][0][1] == rows[0]["episode"]
+    assert "Weave" not in capfd.readouterr().err  # the agent's calls are not sent to W&B
 
 
 def test_wandb_sink_resumes_its_run(tmp_path, monkeypatch):
