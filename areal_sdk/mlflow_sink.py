@@ -28,6 +28,7 @@ RUN_ID_FILENAME = "mlflow_run_id"
 _BATCH = 100  # MLflow's limit on params (and a sane one for metrics) in one log_batch
 _PARAM_CHARS = 6000  # MLflow's limit on a param's value; config.yaml keeps it whole
 log = logging.getLogger(__name__)
+progress = logging.getLogger("areal_sdk.progress")  # the CLI shows it
 
 
 class MlflowSink:
@@ -71,7 +72,7 @@ class MlflowSink:
             )
             self.run_id = run.info.run_id
             id_file.write_text(self.run_id + "\n")
-        log.info("MLflow run %s in %s", self.run_id, self.client.tracking_uri)
+        progress.info("MLflow run %s in %s", self.run_id, self.client.tracking_uri)
 
     def _log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric

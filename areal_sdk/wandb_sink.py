@@ -25,7 +25,8 @@ from areal_sdk.plugin_host import status_for_modules
 
 RUN_ID_FILENAME = "wandb_run_id"
 STEP_KEY = "step"
-log = logging.getLogger(__name__)
+# Where the run is, shown by the CLI as a progress line.
+progress = logging.getLogger("areal_sdk.progress")
 
 
 def _has_api_key() -> bool:
@@ -92,7 +93,10 @@ class WandbSink:
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
         if self.run.offline:
-            log.info("W&B run %s is offline in %s: `wandb sync` uploads it", run_id, self.run.dir)
+            offline_dir = Path(self.run.dir).parent
+            progress.info("W&B run %s offline: `wandb sync %s` uploads it", run_id, offline_dir)
+        else:
+            progress.info("W&B run %s", self.run.url)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log({**_finite(metrics), STEP_KEY: step})

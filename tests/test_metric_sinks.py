@@ -4,6 +4,7 @@ files and client."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
 import sys
@@ -93,8 +94,9 @@ def read_wandb_run(wandb_dir: Path) -> tuple[list[dict], dict, dict, Path]:
 
 
 def test_wandb_sink_runs_offline_without_a_key_and_logs_steps_eval_config_and_trajectories(
-    tmp_path, monkeypatch, capfd
+    tmp_path, monkeypatch, capfd, caplog
 ):
+    caplog.set_level(logging.INFO, logger="areal_sdk.progress")
     import openai  # noqa: F401  (an agent's framework: W&B offers to trace it with Weave)
 
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT"):
@@ -105,6 +107,7 @@ def test_wandb_sink_runs_offline_without_a_key_and_logs_steps_eval_config_and_tr
     rows = _log_a_run(MetricLogger([open_sink("wandb", factory, run_dir, {"project": "p"})]))
 
     history, summary, config, files = read_wandb_run(run_dir)  # offline, under the run directory
+    assert f"`wandb sync {files.parent}` uploads it" in caplog.text
     steps = [
         (h["step"], h.get("rollout/reward_mean")) for h in history if "trajectories/_type" not in h
     ]
