@@ -69,7 +69,7 @@ def test_a_run_logs_every_step_to_mlflow_wandb_and_the_third_party_csv_sink(
     done = cli("train", config, pythonpath=csv_sink_path, env=offline)
     assert done.returncode == 0, done.stderr + done.stdout
     run_dir = config.parent / "run"
-    assert "wandb sync" in done.stdout and "MLflow run" in done.stdout  # where each run is
+    assert "wandb sync" in done.stderr and "MLflow run" in done.stderr  # where each run is
 
     # MLflow, in its default store in the run directory: every step, the held-out reward,
     # the config as params and each step's trajectories decoded.
