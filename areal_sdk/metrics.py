@@ -170,17 +170,6 @@ def check_sink_options(
         ) from None
 
 
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"lr": 1e-4}}`` -> ``{"train.lr": 1e-4}``, for sinks with flat params."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def trajectory_rows(
     step: int, episodes: Sequence[Episode], decode: Callable[[list[int]], str]
 ) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_sdk.hookspecs import PluginStatus, hookimpl
-from areal_sdk.metrics import TRAJECTORY_COLUMNS, MetricSink, flatten_config
+from areal_sdk.metrics import TRAJECTORY_COLUMNS, MetricSink
 from areal_sdk.plugin_host import status_for_modules
 
 RUN_ID_FILENAME = "mlflow_run_id"
@@ -29,6 +29,17 @@ _BATCH = 100  # MLflow's limit on params (and a sane one for metrics) in one log
 _PARAM_CHARS = 6000  # MLflow's limit on a param's value; config.yaml keeps it whole
 log = logging.getLogger(__name__)
 progress = logging.getLogger("areal_sdk.progress")  # the CLI shows it
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1e-4}}`` -> ``{"train.lr": 1e-4}``."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class MlflowSink:
@@ -97,7 +108,7 @@ class MlflowSink:
 
         # A param cannot change once logged: a resumed run with other overrides keeps the
         # first values as params, and its config.yaml artifact holds what it runs with.
-        flat = {key: str(value)[:_PARAM_CHARS] for key, value in flatten_config(config).items()}
+        flat = {key: str(value)[:_PARAM_CHARS] for key, value in _flatten(config).items()}
         logged = self.client.get_run(self.run_id).data.params
         changed = sorted(key for key, value in flat.items() if logged.get(key, value) != value)
         if changed:

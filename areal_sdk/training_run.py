@@ -39,6 +39,7 @@ from areal_sdk.metrics import (
     EVAL_FILENAME,
     MetricLogger,
     check_sink_options,
+    open_sink,
     plot_reward_curve,
     trajectory_rows,
 )
@@ -209,7 +210,9 @@ def _sink_factories(cfg: Config, host: PluginHost) -> dict[str, Callable[..., An
 
 def _sinks(cfg: Config, run_dir: Path, factories: dict[str, Callable[..., Any]]) -> MetricLogger:
     options = cfg.run.metric_sink_options
-    return MetricLogger([f(run_dir, **options.get(name, {})) for name, f in factories.items()])
+    return MetricLogger(
+        [open_sink(name, f, run_dir, options.get(name, {})) for name, f in factories.items()]
+    )
 
 
 def _trajectory_logger(
