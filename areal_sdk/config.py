@@ -354,6 +354,13 @@ class RunConfig(Section):
         "latest", description="optimizer state in the newest checkpoint only, or in all kept"
     )
     metric_sinks: list[str] = Field(default_factory=lambda: ["jsonl"])
+    metric_sink_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="keyword options per sink: {wandb: {project: ...}, mlflow: {...}}",
+    )
+    trajectory_samples: int = Field(
+        4, ge=0, description="episodes per step logged as a table by sinks that keep tables"
+    )
     placement: Literal["auto", "inprocess", "processes", "ray"] = Field(
         "auto",
         description="where the services run: inprocess (one interpreter), processes (engine "

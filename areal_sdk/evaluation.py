@@ -52,3 +52,19 @@ async def evaluate(
 def gain(before: EvalResult, after: EvalResult) -> tuple[float, float]:
     """The reward gain and its standard error (independent samples)."""
     return after.mean - before.mean, math.hypot(before.sem, after.sem)
+
+
+def held_out_metrics(
+    before: EvalResult | None, after: EvalResult | None = None
+) -> dict[str, float]:
+    """What metric sinks log of the held-out evaluation: ``eval/before_mean``,
+    ``eval/before_sem``, the same of ``after``, and ``eval/gain`` with ``eval/gain_sem``
+    when both were measured."""
+    metrics: dict[str, float] = {}
+    for name, result in (("before", before), ("after", after)):
+        if result is not None:
+            metrics[f"eval/{name}_mean"] = result.mean
+            metrics[f"eval/{name}_sem"] = result.sem
+    if before is not None and after is not None:
+        metrics["eval/gain"], metrics["eval/gain_sem"] = gain(before, after)
+    return metrics

@@ -151,9 +151,13 @@ def areal_reward_functions() -> Mapping[str, Callable[..., float]]:
 def areal_metric_sinks() -> Mapping[str, Callable[..., Any]]:
     """Register metric sinks by name (``run.metric_sinks``).
 
-    Returns ``{name: factory}``; ``factory(run_dir: pathlib.Path)`` returns an object with
+    Called when a run starts (it fails there, naming the sink, if one is missing). Returns
+    ``{name: factory}``; ``factory(run_dir: pathlib.Path, **options)`` (the options from
+    ``run.metric_sink_options.<name>``) returns an object with
     ``log(step: int, metrics: dict[str, float])`` (steps count from 1) and ``close()``, and
-    optionally ``drop_after(step: int)``: a resumed run logs the later steps again.
+    optionally ``drop_after(step)`` (a resumed run logs the later steps again),
+    ``log_config(config)``, ``log_eval(step, metrics)`` and ``log_trajectories(step, rows)``:
+    see ``areal_sdk.metrics.MetricSink``.
     """
 
 

@@ -1,29 +1,47 @@
 """Metric sinks (JSON lines, TensorBoard) and the reward-curve plot a run leaves behind.
 
 Sinks register through the ``areal_metric_sinks`` hook like any plugin's; ``run.metric_sinks``
-picks them by name.
+picks them by name and ``run.metric_sink_options.<name>`` passes each its keyword options.
+The W&B and MLflow sinks live in ``areal_sdk.wandb_sink`` and ``areal_sdk.mlflow_sink``.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_sdk.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from areal_sdk.trajectory import Episode
 
 METRICS_FILENAME = "metrics.jsonl"
 REWARD_CURVE_FILENAME = "reward_curve.png"
 EVAL_FILENAME = "eval.json"
 
 
+# The columns of a step's sample of trajectories: one row per turn, its ids decoded.
+TRAJECTORY_COLUMNS = ("step", "episode", "task", "turn", "prompt", "completion", "reward")
+
+
 class MetricSink(Protocol):
-    """Where step metrics go. Steps count from 1. A sink may also define
-    ``drop_after(step)``: a resumed run trains the steps after ``step`` again, so what was
-    logged for them is forgotten and each step shows once."""
+    """Where step metrics go. Steps count from 1. A sink may also define, and the run calls
+    each only where it is defined:
+
+    - ``drop_after(step)``: a resumed run trains the steps after ``step`` again, so what was
+      logged for them is forgotten and each step shows once.
+    - ``log_config(config)``: the resolved config as nested dicts, once when the run starts.
+    - ``log_eval(step, metrics)``: the held-out reward, at step 0 (``eval/before_mean``,
+      ``eval/before_sem``) and after the last step (also ``eval/after_*``, ``eval/gain``,
+      ``eval/gain_sem``).
+    - ``log_trajectories(step, rows)``: a sample of the step's episodes, one dict per turn
+      with the keys of ``TRAJECTORY_COLUMNS``.
+    """
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
@@ -88,10 +106,14 @@ class TensorBoardSink:
 
 
 class MetricLogger:
-    """Fans one ``log`` call out to several sinks."""
+    """Fans each call out to several sinks; the optional methods go to the sinks that have
+    them."""
 
     def __init__(self, sinks: list[MetricSink]) -> None:
         self.sinks = sinks
+
+    def _each(self, method: str) -> list[Callable[..., None]]:
+        return [m for sink in self.sinks if (m := getattr(sink, method, None)) is not None]
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
@@ -99,14 +121,72 @@ class MetricLogger:
 
     def drop_after(self, step: int) -> None:
         """Forget what was logged for steps after ``step``, in every sink that can."""
-        for sink in self.sinks:
-            drop = getattr(sink, "drop_after", None)
-            if drop is not None:
-                drop(step)
+        for drop in self._each("drop_after"):
+            drop(step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        for log_config in self._each("log_config"):
+            log_config(config)
+
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        for log_eval in self._each("log_eval"):
+            log_eval(step, metrics)
+
+    @property
+    def keeps_trajectories(self) -> bool:
+        """Whether any sink takes trajectory tables (so decoding them is worth it)."""
+        return bool(self._each("log_trajectories"))
+
+    def log_trajectories(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        for log_trajectories in self._each("log_trajectories"):
+            log_trajectories(step, rows)
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def open_sink(
+    name: str, factory: Callable[..., MetricSink], run_dir: Path, options: Mapping[str, Any]
+) -> MetricSink:
+    """``factory(run_dir, **options)``; options it does not take are a ``ValueError`` that
+    names them and the ones it takes."""
+    check_sink_options(name, factory, options)
+    return factory(run_dir, **options)
+
+
+def check_sink_options(
+    name: str, factory: Callable[..., MetricSink], options: Mapping[str, Any]
+) -> None:
+    try:
+        inspect.signature(factory).bind(Path(), **options)
+    except TypeError:
+        params = inspect.signature(factory).parameters
+        known = [p for p, v in params.items() if v.kind == v.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(params))
+        raise ValueError(
+            f"run.metric_sink_options.{name}: unknown option(s) {', '.join(unknown) or '?'}; "
+            f"the {name} sink takes: {', '.join(known) or 'no options'}"
+        ) from None
+
+
+def trajectory_rows(
+    step: int, episodes: Sequence[Episode], decode: Callable[[list[int]], str]
+) -> list[dict[str, Any]]:
+    """One row per turn of ``episodes`` (keys ``TRAJECTORY_COLUMNS``), ids decoded."""
+    return [
+        {
+            "step": step,
+            "episode": episode.id,
+            "task": episode.task_id,
+            "turn": index,
+            "prompt": decode(turn.prompt_ids),
+            "completion": decode(turn.completion_ids),
+            "reward": episode.reward,
+        }
+        for episode in episodes
+        for index, turn in enumerate(episode.turns)
+    ]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -191,6 +191,12 @@ class PluginHost:
         registry = self._registry(kind)
         if name in registry:
             return registry[name]
+        for record in self.plugins():
+            if not record.status.usable and name in record.provides.get(kind, ()):
+                raise PluginError(
+                    f"{kind.replace('_', ' ')} {name!r} (plugin {record.name!r}) is unusable "
+                    f"here: {record.status.reason}"
+                )
         known = ", ".join(sorted(registry)) or "none"
         unusable = [f"{r.name} ({r.status.reason})" for r in self.plugins() if not r.status.usable]
         hint = f"; unusable plugins: {'; '.join(unusable)}" if unusable else ""

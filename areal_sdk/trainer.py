@@ -156,6 +156,7 @@ class AsyncTrainer:
         log: Callable[[int, dict[str, float]], None],
         checkpoint: Callable[[int], None] | None = None,
         on_step: Callable[[StepReport], None] | None = None,
+        on_episodes: Callable[[int, list[Episode]], None] | None = None,
         stop: asyncio.Event | None = None,
     ) -> None:
         self.cfg = cfg
@@ -167,6 +168,7 @@ class AsyncTrainer:
         self.log = log
         self.checkpoint = checkpoint
         self.on_step = on_step
+        self.on_episodes = on_episodes  # each step's trained episodes (a sample is logged)
         self.stop = stop or asyncio.Event()
         self.group_size = cfg.rollout.group_size
         self.groups_per_step = cfg.rollout.batch_size // cfg.rollout.group_size
@@ -334,6 +336,8 @@ class AsyncTrainer:
         )
         report = StepReport(step=index + 1, version=new_version, metrics=metrics)
         self.log(report.step, metrics)
+        if self.on_episodes is not None:
+            self.on_episodes(report.step, [e for g in groups for e in g.ok])
         if self.on_step is not None:
             self.on_step(report)
         return report

@@ -32,10 +32,17 @@ from typing import Any
 from areal_sdk.checkpoints import Checkpoint, Checkpoints
 from areal_sdk.compute_threads import in_fresh_thread
 from areal_sdk.config import Config
-from areal_sdk.evaluation import EvalResult, evaluate
+from areal_sdk.evaluation import EvalResult, evaluate, held_out_metrics
 from areal_sdk.inference import InferenceBackend, PauseMode
 from areal_sdk.launcher import LocalStack, open_agent
-from areal_sdk.metrics import EVAL_FILENAME, MetricLogger, plot_reward_curve
+from areal_sdk.metrics import (
+    EVAL_FILENAME,
+    MetricLogger,
+    check_sink_options,
+    open_sink,
+    plot_reward_curve,
+    trajectory_rows,
+)
 from areal_sdk.plugin_host import PluginHost, get_host
 from areal_sdk.rollout import RolloutController
 from areal_sdk.services.control import ControlServer
@@ -206,8 +213,43 @@ def _weights_of(backend: TrainBackend) -> Callable[[], Any]:
     return latest
 
 
-def _sinks(cfg: Config, run_dir: Path, host: PluginHost) -> MetricLogger:
-    return MetricLogger([host.metric_sink(name)(run_dir) for name in cfg.run.metric_sinks])
+def _sink_factories(cfg: Config, host: PluginHost) -> dict[str, Callable[..., Any]]:
+    """The sinks ``run.metric_sinks`` names, their options checked: a missing sink or a
+    wrong option fails the run before anything loads."""
+    factories = {name: host.metric_sink(name) for name in cfg.run.metric_sinks}
+    for name, factory in factories.items():
+        try:
+            check_sink_options(name, factory, cfg.run.metric_sink_options.get(name, {}))
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
+    return factories
+
+
+def _sinks(cfg: Config, run_dir: Path, factories: dict[str, Callable[..., Any]]) -> MetricLogger:
+    options = cfg.run.metric_sink_options
+    return MetricLogger(
+        [open_sink(name, f, run_dir, options.get(name, {})) for name, f in factories.items()]
+    )
+
+
+def _trajectory_logger(
+    cfg: Config, metrics: MetricLogger, stack: LocalStack
+) -> Callable[[int, list[Episode]], None] | None:
+    """Logs a sample of each step's episodes, decoded, to the sinks that keep tables."""
+    if not metrics.keeps_trajectories or cfg.run.trajectory_samples == 0:
+        return None
+    tokenizer = stack.engine.tokenizer if stack.engine is not None else None
+
+    def decode(ids: list[int]) -> str:
+        if tokenizer is None:
+            return " ".join(map(str, ids))
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def log_sample(step: int, episodes: list[Episode]) -> None:
+        sample = episodes[: cfg.run.trajectory_samples]
+        metrics.log_trajectories(step, trajectory_rows(step, sample, decode))
+
+    return log_sample
 
 
 class TrainingRun:
@@ -270,6 +312,7 @@ class TrainingRun:
             else []
         )
         # Before any model loads, so a missing extra or a broken agent fails in seconds.
+        self.sink_factories = _sink_factories(cfg, self.host)
         self.search_path = [config_dir, Path.cwd()]
         self.address, self.agent = open_agent(cfg, self.host, search_path=self.search_path)
 
@@ -334,7 +377,12 @@ class TrainingRun:
         staging.replace(path)
 
     async def _evaluate(
-        self, agent: Any, stack: LocalStack | ProcessStack, store: TrajectoryStore, key: str, version: int
+        self,
+        agent: Any,
+        stack: LocalStack | ProcessStack,
+        store: TrajectoryStore,
+        key: str,
+        version: int,
     ) -> EvalResult | None:
         """The held-out reward of the policy at ``version`` (``key`` "before" or "after"),
         reused from ``eval.json`` when it was measured there already; None if interrupted."""
@@ -436,7 +484,8 @@ class TrainingRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         store = TrajectoryStore(self.store_path, run_id=TRAIN_RUN)
-        metrics = _sinks(cfg, self.run_dir, self.host)
+        metrics = _sinks(cfg, self.run_dir, self.sink_factories)
+        metrics.log_config(cfg.model_dump(mode="json"))
         result = RunResult(steps=0, version=0, run_dir=self.run_dir)
         self.on_event("loading the train backend")
         backend: TrainBackend = await in_fresh_thread(build_train_backend, cfg, self.host)
@@ -497,6 +546,8 @@ class TrainingRun:
                 if backend.step == 0 or self._saved_eval("before") is not None:
                     initial = backend.version - backend.step
                     result.before = await self._evaluate(agent, stack, store, "before", initial)
+                    if result.before is not None:
+                        metrics.log_eval(0, held_out_metrics(result.before))
                 else:
                     self.on_event("no held-out reward before training was recorded in this run")
             controller = self._controller(
@@ -521,6 +572,7 @@ class TrainingRun:
                 log=metrics.log,
                 checkpoint=checkpoint,
                 on_step=self.on_step,
+                on_episodes=_trajectory_logger(cfg, metrics, stack),
                 stop=stop,
             )
             if not stop.is_set():
@@ -533,6 +585,8 @@ class TrainingRun:
                 )
             if self.eval_tasks and cfg.eval.after and not stop.is_set():
                 result.after = await self._evaluate(agent, stack, store, "after", backend.version)
+                if result.after is not None:
+                    metrics.log_eval(backend.step, held_out_metrics(result.before, result.after))
         except asyncio.CancelledError:
             if self.failure is not None:
                 raise self.failure from None  # a service failed for good: the run stops

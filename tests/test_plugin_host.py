@@ -147,7 +147,11 @@ def test_broken_and_missing_plugins_are_reported_not_fatal(third_party):
     assert "adapter" in recs["tp_missing"].kinds
     # An unusable plugin's components are not offered.
     assert "xyz_reward" not in host.reward_functions()
-    with pytest.raises(PluginError, match="no reward named 'xyz_reward'.*tp_missing"):
+    # Asked for by name, it says which plugin has it and what makes that plugin usable.
+    with pytest.raises(
+        PluginError,
+        match="reward 'xyz_reward' \\(plugin 'tp_missing'\\) is unusable here: missing no_such_framework_xyz",
+    ):
         host.reward_function("xyz_reward")
 
 
