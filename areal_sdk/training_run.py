@@ -53,7 +53,7 @@ from areal_sdk.store import STORE_FILENAME, TrajectoryStore
 from areal_sdk.supervisor import SupervisedEngine
 from areal_sdk.tasks import load_tasks
 from areal_sdk.train_backend import TrainBackend
-from areal_sdk.train_process import build_train_backend
+from areal_sdk.train_process import TrainProcessError, build_train_backend
 from areal_sdk.trainer import (
     AsyncTrainer,
     Group,
@@ -439,25 +439,24 @@ class TrainingRun:
             local.engine.latest_weights = _weights_of(backend)
         return local
 
+    def _resume_hint(self) -> str:
+        latest = self.checkpoints.latest()
+        if latest is not None and latest.step > 0:
+            return f"`areal-sdk train --resume` continues from its checkpoint of step {latest.step}"
+        return "`areal-sdk train --resume` continues the run"
+
     def _supervise(
         self, stack: LocalStack | ProcessStack, backend: TrainBackend
     ) -> asyncio.Task[None]:
         """Watch every service; one that fails for good cancels the run, which then raises
         its ``ServiceFailed``."""
-
-        def hint() -> str:
-            latest = self.checkpoints.latest()
-            if latest is not None and latest.step > 0:
-                return f"`areal-sdk train --resume` continues from its checkpoint of step {latest.step}"
-            return "`areal-sdk train --resume` continues the run"
-
         self._trainer_watch = TrainerWatch(backend)
 
         async def watch() -> None:
             assert self._trainer_watch is not None
             async with asyncio.TaskGroup() as group:
                 group.create_task(stack.supervise())
-                group.create_task(self._trainer_watch.watch(resume_hint=hint))
+                group.create_task(self._trainer_watch.watch(resume_hint=self._resume_hint))
 
         def done(task: asyncio.Task[None]) -> None:
             if task.cancelled() or task.exception() is None:
@@ -591,6 +590,10 @@ class TrainingRun:
             if self.failure is not None:
                 raise self.failure from None  # a service failed for good: the run stops
             raise
+        except TrainProcessError as exc:  # found by a call before the watch saw it
+            raise ServiceFailed(
+                "trainer", f"the trainer died: {exc}; {self._resume_hint()}"
+            ) from None
         finally:
             supervision.cancel()
             await asyncio.gather(supervision, return_exceptions=True)

@@ -34,9 +34,14 @@ import areal_sdk as areal
 from openai import OpenAI
 
 
+calls = 0
+
+
 @areal.trace
 def solve(task):
-    if task["id"] in ("t0",):  # one task in ten hangs for good
+    global calls
+    calls += 1
+    if calls % 10 == 1:  # one call in ten (each worker's first) hangs for good
         threading.Event().wait()
     reply = OpenAI().chat.completions.create(
         model="policy",
@@ -72,7 +77,11 @@ class LiveRun:
             value = predicate()
             if value:
                 return value
-            assert self.proc.poll() is None, f"the run exited waiting for {what}:\n{self.output}"
+            if self.proc.poll() is not None:
+                self._reader.join(10)  # the last lines, then one more look
+                value = predicate()
+                assert value, f"the run exited waiting for {what}:\n{self.output}"
+                return value
             time.sleep(0.2)
         raise AssertionError(f"no {what} within {timeout_s:g} s:\n{self.output}")
 
@@ -221,11 +230,11 @@ def test_a_sync_agent_that_hangs_on_some_tasks_does_not_stop_the_run(run_config,
     _assert_trained_once(run.run_dir, 3)
     with TrajectoryStore(run.run_dir) as store:
         timed_out = [e for e in store.iter() if e.error and "TimeoutError" in e.error]
-    assert timed_out and all(e.task_id == "t0" for e in timed_out)
+    assert timed_out, "no call hung"
 
 
 def test_an_engine_added_mid_run_serves_the_current_weights(run_config):
-    config = _processes_config(run_config, steps=12, inference={"servers": 1})
+    config = _processes_config(run_config, steps=40, inference={"servers": 1})
     run = LiveRun(config)
     run.wait_for("the first step", lambda: run.steps() >= 1)
     added = subprocess.run(
@@ -240,10 +249,10 @@ def test_an_engine_added_mid_run_serves_the_current_weights(run_config):
 
     def served() -> bool:
         info = httpx.get(url + "/get_server_info", timeout=10).json()
-        return int(info.get("stats", info).get("requests", 0) or 0) > 0
+        return int(info["stats"]["sampled_tokens"]) > 0
 
     run.wait_for("requests on the added server", served, timeout_s=120)
     version = int(httpx.get(url + "/get_model_info", timeout=10).json()["weight_version"])
     assert version >= 1  # trained weights, not the initial ones
     assert run.finish() == 0, run.output
-    _assert_trained_once(run.run_dir, 12)
+    _assert_trained_once(run.run_dir, 40)
