@@ -35,6 +35,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from areal_sdk.services.child_logging import configure_service_logging
+
 if TYPE_CHECKING:
     from areal_sdk.plugin_host import PluginHost
     from areal_sdk.tracing import EpisodeContext
@@ -254,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     _die_with_parent(args.parent_pid)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_service_logging()
     link = _Link(Connection(args.fd))
     threading.Thread(
         target=link.beat_forever, args=(args.heartbeat_s,), name="areal-heartbeat", daemon=True

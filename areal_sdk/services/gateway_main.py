@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from areal_sdk.services.child_logging import configure_service_logging
 from areal_sdk.services.lifeline import exit_with_parent
 
 log = logging.getLogger("areal_sdk.services.gateway")
@@ -39,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.lifeline is not None:
         exit_with_parent(args.lifeline, name="gateway")
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_service_logging()
     # Heavy imports after the lifeline is up: a parent that dies while they load is seen.
     import uvicorn
 
