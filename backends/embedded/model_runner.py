@@ -34,7 +34,7 @@ from areal_sdk.backends.embedded.packed_linear import (
 )
 from areal_sdk.backends.embedded.sampler import sample_temperature
 from areal_sdk.backends.embedded.transfer import to_device
-from areal_sdk.backends.embedded.weights import WeightSource, load_into
+from areal_sdk.backends.embedded.weights import WeightSource, load_into, own_memory
 from areal_sdk.backends.train.varlen_attention import flash_available
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class ModelRunner:
         if self.packed_linears is not None:
             stacks += self.packed_linears.stacks.values()
         self.sole_copies = SoleCopies(model, stacks)
+        if self.device.type == "cpu":
+            own_memory(model)  # the weights file's mapping goes (weights.own_memory)
         # Built (or loaded from its cache) now rather than in the first decode step.
         self._cpu_kernels = self.device.type == "cpu" and cpu_kernels.available()
         # Prefill rows packed into one row for the flash varlen kernel (CUDA, half precision):

@@ -110,3 +110,16 @@ def _check(name: str, tensor: torch.Tensor, own: Mapping[str, torch.Tensor]) -> 
             f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(own[key].shape)}"
         )
     return key
+
+
+@torch.no_grad()
+def own_memory(model: torch.nn.Module) -> None:
+    """Give every CPU parameter and buffer of ``model`` memory of its own.
+
+    A loader that maps the weights file (safetensors, as transformers loads it) leaves every
+    tensor a view of that mapping, which stays mapped, each page read counted in the
+    process's resident memory, while any one view lives. Once the engine's stacks hold most
+    weights, the few tensors left (embedding, norms) would keep the whole file resident."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu":
+            tensor.data = tensor.data.clone()

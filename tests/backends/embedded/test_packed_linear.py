@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,20 @@ async def test_the_engine_holds_each_weight_once_and_still_takes_updates(
         model.named_parameters(), reference.named_parameters(), strict=True
     ):
         torch.testing.assert_close(got.detach(), expected.detach(), msg=name)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+async def test_the_engine_keeps_no_mapping_of_the_weights_file(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # transformers maps the safetensors file; a tensor left a view of it would keep the
+    # whole file's pages resident beside the engine's packed copies.
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    engine = EmbeddedEngine.from_pretrained(str(model_dir), dtype="float32")
+    try:
+        assert str(model_dir / "model.safetensors") not in Path("/proc/self/maps").read_text()
+        out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
+        assert len(out.output_ids) == 3
+    finally:
+        await engine.close()
