@@ -18,6 +18,12 @@ vocabulary is 9.7 GB per copy. Here the logits exist one chunk of rows at a time
 The softmax side is float32 in both. The torch path rounds the logits to the input dtype
 first, as the model's own lm_head would; the Triton kernel keeps its float32 accumulators.
 
+``compute_dtype`` runs the products in another dtype than the weight's (bf16 products from
+float32 master weights, as autocast does) while the weight's gradient comes back in its own
+dtype, accumulated in float32: no bf16 copy of the weight is kept for backward, and the
+gradient makes no bf16 round trip (for SmolLM2's 49k x 576 head, 0.2 GiB less at the start
+of every backward).
+
 >>> h, w = torch.randn(5, 8), torch.randn(11, 8)
 >>> lp, ent = token_logprobs_and_entropy(h, w, torch.tensor([0, 3, 10, 2, 2]), chunk_size=2)
 >>> torch.allclose(lp, torch.log_softmax(h @ w.T, -1)[torch.arange(5), [0, 3, 10, 2, 2]])
@@ -57,14 +63,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
+        compute_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
+        product_weight = weight.to(compute_dtype)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             rows = slice(start, min(start + chunk_size, n))
-            logits = _chunk_logits(hidden[rows], weight, temperature)
+            logits = _chunk_logits(hidden[rows], product_weight, temperature)
             chunk_lse = torch.logsumexp(logits, dim=-1)
             lse[rows] = chunk_lse
             logprobs[rows] = logits.gather(1, labels[rows, None]).squeeze(1) - chunk_lse
@@ -73,6 +81,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 weighted = logits.mul_(torch.exp(logits - chunk_lse[:, None])).sum(-1)
                 entropy[rows] = chunk_lse - weighted
             del logits
+        del product_weight  # cast again in backward rather than held until then
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -85,7 +94,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden, master, labels, lse, entropy = ctx.saved_tensors
+        weight = master.to(hidden.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -125,8 +135,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w.add_(grad_z.T @ h)
             del grad_z
         if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+            grad_w = grad_w.to(master.dtype)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _triton_usable(hidden: torch.Tensor) -> bool:
@@ -148,12 +158,14 @@ def token_logprobs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = True,
     backend: Backend = "auto",
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(hidden @ W.T / temperature)[t, labels[t]]`` and the entropy per row.
 
     ``hidden`` [T, H] (final hidden states, any float dtype), ``lm_head_weight`` [V, H],
     ``labels`` [T] int. Returns float32 logprobs [T] and entropy [T] (or None), both
-    differentiable with respect to ``hidden`` and ``lm_head_weight``.
+    differentiable with respect to ``hidden`` and ``lm_head_weight``. The products run in
+    ``compute_dtype`` (default: the weight's); the weight's gradient has its own dtype.
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(
@@ -168,8 +180,9 @@ def token_logprobs_and_entropy(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; use auto, torch or triton")
-    if hidden.dtype != lm_head_weight.dtype:
-        hidden = hidden.to(lm_head_weight.dtype)
+    compute_dtype = compute_dtype or lm_head_weight.dtype
+    if hidden.dtype != compute_dtype:
+        hidden = hidden.to(compute_dtype)
     labels = labels.to(device=hidden.device, dtype=torch.long)
     vocab = lm_head_weight.shape[0]
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
@@ -183,7 +196,7 @@ def token_logprobs_and_entropy(
 
         logprobs, entropy = fused_logprobs_and_entropy(
             hidden,
-            lm_head_weight,
+            lm_head_weight.to(compute_dtype),
             labels,
             temperature=temperature,
             chunk_size=chunk_size,
@@ -191,6 +204,12 @@ def token_logprobs_and_entropy(
         )
     else:
         logprobs, entropy = _ChunkedLogprobs.apply(
-            hidden, lm_head_weight, labels, float(temperature), int(chunk_size), with_entropy
+            hidden,
+            lm_head_weight,
+            labels,
+            float(temperature),
+            int(chunk_size),
+            with_entropy,
+            compute_dtype,
         )
     return logprobs, (entropy if with_entropy else None)

@@ -290,8 +290,9 @@ def profile_step(model, args, rows: int) -> dict:
 def bench_weight_update(model) -> list[dict]:
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
-    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=1, max_model_len=64))
+    # Taken before the engine: on CPU its packed copies replace the model's weights.
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=1, max_model_len=64))
     results = []
 
     async def timed(source, version) -> float:

@@ -106,6 +106,36 @@ def test_backward_keeps_no_token_by_vocab_tensor():
     assert max(saved) >= t * v  # the naive path does keep one
 
 
+def test_bf16_products_from_a_float32_weight_give_it_its_float32_gradient():
+    # As under autocast: bf16 products, a float32 master weight. Nothing [V, H] in bf16 is
+    # saved for backward, and dW comes back in float32 without a bf16 rounding.
+    hidden, weight, labels = _inputs(24, 64, 300)
+    saved: list[torch.Tensor] = []
+
+    def pack(x):
+        saved.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        lp, ent, gh, gw = _grads(
+            token_logprobs_and_entropy,
+            hidden,
+            weight,
+            labels,
+            chunk_size=5,
+            backend="torch",
+            compute_dtype=torch.bfloat16,
+        )
+    assert not any(s.dtype == torch.bfloat16 and s.shape == weight.shape for s in saved)
+    assert gw.dtype == torch.float32 and not torch.equal(gw, gw.bfloat16().float())
+    bf16 = [x.detach().bfloat16().requires_grad_() for x in (hidden, weight)]
+    lp_n, ent_n, gh_n, gw_n = _grads(naive, *bf16, labels)
+    torch.testing.assert_close(lp, lp_n, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent, ent_n, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gh, gh_n.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gw, gw_n.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_bad_inputs_are_named():
     hidden, weight, labels = _inputs(4, 8, 10)
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\)"):

@@ -41,7 +41,6 @@ import torch
 from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
 from areal_sdk.backends.embedded.request import Request, StreamChunk
 from areal_sdk.backends.embedded.sampler import SamplingBatch, sample
-from areal_sdk.backends.embedded.weights import load_into
 
 from areal_sdk.inference import (
     GenerateOutput,
@@ -502,7 +501,7 @@ class EmbeddedEngine(InferenceBackend):
             return None
         if kind == "update_weights":
             source, version, flush = payload
-            self.runner.weights_changed(load_into(self.model, source))
+            self.runner.load_weights(source)
             if self.runner.device.type == "cpu":
                 # The repacked weights were built beside the old ones; give back the pages
                 # the old ones leave free (areal_sdk.malloc).

@@ -7,7 +7,8 @@ three projections where one would do). This forward runs the same mathematics in
 operations per layer from the same parameters:
 
 - query, key and value come from one product with the three weights stacked, gate and up
-  from another (``FusedWeights``, rebuilt when a weight update writes a member);
+  from another (``packed_linear.StackedLinear``, rebuilt when a weight update writes a
+  member);
 - the residual add and the RMSNorm after it are one kernel, SiLU and the product after it
   another, rotary embedding and the KV-cache write a third (``cpu_kernels``; torch ops
   where they cannot be built), with the cos/sin of the model's own rotary module;
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from areal_sdk.backends.embedded import cpu_kernels
 from areal_sdk.backends.embedded.kv_cache import StepContext, attend_cached, slot_attention
-from areal_sdk.backends.embedded.packed_linear import CopiesByName, pack_weight, packed_linear
+from areal_sdk.backends.embedded.packed_linear import CopiesByName, StackedLinear
 
 MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -68,42 +69,11 @@ def _layer_fits(layer: torch.nn.Module) -> bool:
     )
 
 
-class FusedWeights:
-    """One product's weights stacked from several linear layers (rows in order)."""
-
-    def __init__(self, linears: list[torch.nn.Linear], packed: bool) -> None:
-        self.linears = linears
-        self.packed = packed
-        self.weight: torch.Tensor
-        self.bias: torch.Tensor | None
-        self.rebuild()
-
-    @torch.no_grad()
-    def rebuild(self) -> None:
-        weight = torch.cat([m.weight.detach() for m in self.linears])
-        self.weight = pack_weight(weight) if self.packed else weight
-        biases = [m.bias for m in self.linears]
-        if all(b is None for b in biases):
-            self.bias = None
-        else:
-            self.bias = torch.cat(
-                [
-                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                    for m, b in zip(self.linears, biases, strict=True)
-                ]
-            )
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
 @dataclass
 class _Layer:
     attn: torch.nn.Module
-    qkv: FusedWeights
-    gate_up: FusedWeights
+    qkv: StackedLinear
+    gate_up: StackedLinear
     o_proj: torch.nn.Linear
     down_proj: torch.nn.Linear
     norm_in: torch.Tensor
@@ -136,11 +106,11 @@ class FusedDecoder:
         self._add_rms_norm = cpu_kernels.add_rms_norm if kernel else _add_rms_norm
         self._silu_mul = cpu_kernels.silu_mul if kernel else _silu_mul
         self._rope_write = kernel
-        self._fused = [f for layer in self.layers for f in (layer.qkv, layer.gate_up)]
+        self.stacks = [f for layer in self.layers for f in (layer.qkv, layer.gate_up)]
         self._by_name = CopiesByName(
             model,
             lambda p: [
-                f for f in self._fused if any(q is p for m in f.linears for q in m.parameters())
+                f for f in self.stacks if any(q is p for m in f.linears for q in m.parameters())
             ],
         )
 
@@ -149,8 +119,8 @@ class FusedDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         return _Layer(
             attn=attn,
-            qkv=FusedWeights([attn.q_proj, attn.k_proj, attn.v_proj], packed),
-            gate_up=FusedWeights([mlp.gate_proj, mlp.up_proj], packed),
+            qkv=StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], packed=packed),
+            gate_up=StackedLinear([mlp.gate_proj, mlp.up_proj], packed=packed),
             o_proj=attn.o_proj,
             down_proj=mlp.down_proj,
             norm_in=layer.input_layernorm.weight,
@@ -162,7 +132,7 @@ class FusedDecoder:
     @property
     def fused_linears(self) -> list[torch.nn.Linear]:
         """The linear layers whose products run fused here (no packed copy needed)."""
-        return [m for f in self._fused for m in f.linears]
+        return [m for f in self.stacks for m in f.linears]
 
     def weights_changed(self, names: Iterable[str]) -> None:
         """Rebuild the fused products that parameters ``names`` belong to."""

@@ -27,9 +27,14 @@ from areal_sdk.backends.embedded.kv_cache import (
     SlotKVCache,
     StepContext,
 )
-from areal_sdk.backends.embedded.packed_linear import PackedLinears, packed_linear_available
+from areal_sdk.backends.embedded.packed_linear import (
+    PackedLinears,
+    SoleCopies,
+    packed_linear_available,
+)
 from areal_sdk.backends.embedded.sampler import sample_temperature
 from areal_sdk.backends.embedded.transfer import to_device
+from areal_sdk.backends.embedded.weights import WeightSource, load_into, own_memory
 from areal_sdk.backends.train.varlen_attention import flash_available
 
 log = logging.getLogger(__name__)
@@ -82,6 +87,14 @@ class ModelRunner:
         self.fused = FusedDecoder(model, packed=packed_weights) if fused_decoder else None
         skip = self.fused.fused_linears if self.fused is not None else []
         self.packed_linears = PackedLinears(model, skip=skip) if packed_weights else None
+        # The stacked and packed weights are the copies the forward reads: the layers' own
+        # weights go, rather than sit beside them (the engine's weights held once).
+        stacks = [*(self.fused.stacks if self.fused is not None else [])]
+        if self.packed_linears is not None:
+            stacks += self.packed_linears.stacks.values()
+        self.sole_copies = SoleCopies(model, stacks)
+        if self.device.type == "cpu":
+            own_memory(model)  # the weights file's mapping goes (weights.own_memory)
         # Built (or loaded from its cache) now rather than in the first decode step.
         self._cpu_kernels = self.device.type == "cpu" and cpu_kernels.available()
         # Prefill rows packed into one row for the flash varlen kernel (CUDA, half precision):
@@ -136,6 +149,22 @@ class ModelRunner:
             # Older transformers: the config attribute is what every attention layer reads.
             model.config._attn_implementation = ATTN_IMPLEMENTATION
 
+    def load_weights(self, source: WeightSource) -> list[str]:
+        """Write new weights from ``source`` (see ``weights.load_into``) into the model and
+        the copies the forward reads; returns the model's names of the tensors written."""
+        written = load_into(self.model, source, writers=self.sole_copies.writers)
+        self.sole_copies.flush()
+        self.weights_changed(written)
+        return written
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's parameters by name (tied ones once), with the values of those whose
+        sole copy the runner holds: what ``load_weights`` would write back unchanged."""
+        return {
+            name: held if (held := self.sole_copies.weight(name)) is not None else p.detach()
+            for name, p in self.model.named_parameters()
+        }
+
     def weights_changed(self, names: list[str]) -> None:
         """The model's tensors ``names`` were overwritten (a weight update)."""
         if self.packed_linears is not None:
@@ -144,7 +173,9 @@ class ModelRunner:
             self.fused.weights_changed(names)
 
     def release_model(self) -> None:
-        """Give the model's layers back their plain forward (the runner is done with it)."""
+        """Give the model's layers back their weights and plain forward (the runner is done
+        with it)."""
+        self.sole_copies.restore()
         if self.packed_linears is not None:
             self.packed_linears.remove()
             self.packed_linears = None

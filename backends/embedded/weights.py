@@ -7,21 +7,21 @@ graphs and tied embeddings stay valid. Names may carry the trainer's wrappers
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 
+WeightSource = Mapping[str, torch.Tensor] | Path | str
+
 
 class WeightUpdateError(ValueError):
     """New weights that do not fit the model: unknown names or wrong shapes."""
 
 
-def iter_source(
-    source: Mapping[str, torch.Tensor] | Path | str,
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_source(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` from a mapping, a ``.safetensors`` file or a directory of them."""
     if isinstance(source, Mapping):
         yield from source.items()
@@ -57,8 +57,16 @@ def _canonical(name: str, own: Mapping[str, torch.Tensor]) -> str | None:
 
 
 @torch.no_grad()
-def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path | str) -> list[str]:
+def load_into(
+    model: torch.nn.Module,
+    source: WeightSource,
+    *,
+    writers: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+) -> list[str]:
     """Copy every tensor of ``source`` into ``model``'s parameter or buffer of that name.
+
+    ``writers`` take the values of the parameters (by the model's names) whose data is held
+    elsewhere (the engine's packed copies); the parameter only gives name and shape.
 
     Returns the model's names of the tensors it wrote. Raises ``WeightUpdateError`` naming the first
     unknown name or mismatched shape; nothing is half-applied in that case when the source is
@@ -75,10 +83,15 @@ def load_into(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | Path 
         # The source may come from another stream (a trainer in this process): wait for it,
         # since the engine copies on its own stream.
         torch.cuda.synchronize()
+    writers = writers or {}
     written = []
     for name, tensor in iter_source(source):
         key = _check(name, tensor, own)
-        own[key].copy_(tensor.to(device=own[key].device, dtype=own[key].dtype), non_blocking=True)
+        if key in writers:
+            writers[key](tensor)
+        else:
+            target = own[key]
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype), non_blocking=True)
         written.append(key)
     if not written:
         raise WeightUpdateError("the weight source holds no tensors")
@@ -97,3 +110,16 @@ def _check(name: str, tensor: torch.Tensor, own: Mapping[str, torch.Tensor]) -> 
             f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(own[key].shape)}"
         )
     return key
+
+
+@torch.no_grad()
+def own_memory(model: torch.nn.Module) -> None:
+    """Give every CPU parameter and buffer of ``model`` memory of its own.
+
+    A loader that maps the weights file (safetensors, as transformers loads it) leaves every
+    tensor a view of that mapping, which stays mapped, each page read counted in the
+    process's resident memory, while any one view lives. Once the engine's stacks hold most
+    weights, the few tensors left (embedding, norms) would keep the whole file resident."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu":
+            tensor.data = tensor.data.clone()

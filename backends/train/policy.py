@@ -44,24 +44,23 @@ class LogprobHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from areal_sdk.logprobs import token_logprobs_and_entropy
 
-        weight = self.weight
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             # Under autocast the HF lm_head would run in the autocast dtype; so does this
-            # projection (the residual stream, and so ``hidden``, stays float32). The casts
-            # are part of the graph: the float32 master weight still gets its gradient.
+            # projection (the residual stream, and so ``hidden``, stays float32). The float32
+            # master weight goes in as it is and gets its float32 gradient straight back.
             dtype = torch.get_autocast_dtype(device)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-        elif weight.dtype != hidden.dtype:
-            weight = weight.to(hidden.dtype)
+        else:
+            dtype = hidden.dtype
         return token_logprobs_and_entropy(
             hidden,
-            weight,
+            self.weight,
             labels,
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
             backend=self.backend,
+            compute_dtype=dtype,
         )
 
 

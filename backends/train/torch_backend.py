@@ -138,8 +138,9 @@ class TorchBackend(TrainBackend):
             betas=tuple(self.cfg.betas),
             eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
-            # One kernel for the whole update on CUDA instead of a few per parameter group.
-            fused=self._device.type == "cuda",
+            # One kernel for the whole update instead of a few per parameter, on CUDA and on
+            # CPU (there 4x faster for SmolLM2, and no temporaries the size of a parameter).
+            fused=self._device.type in ("cuda", "cpu"),
         )
         self._step = 0
 
@@ -206,6 +207,10 @@ class TorchBackend(TrainBackend):
             (loss * share).backward()
             losses.append(loss)
             parts.append((share, metrics))
+            if self._device.type == "cpu":
+                # The micro-batch's activations are freed: hand their pages back before the
+                # next one allocates its own elsewhere in the arena (areal_sdk.malloc).
+                release_free_memory()
         read, step_loss = read_step_metrics(parts, losses)
         metrics = merge_metrics(read)
         metrics.update(self._apply_gradients(skip=total <= 0))

@@ -94,7 +94,7 @@ def test_new_weights_reach_the_fused_products(tiny_model_dir: Path) -> None:
         if name.startswith("model.layers.1.") and name.endswith(("k_proj.bias", "up_proj.weight"))
     }
     assert len(new) == 2
-    runner.weights_changed(load_into(model, new))
+    runner.load_weights(new)
     reference = _model(tiny_model_dir)
     load_into(reference, new)
     prompt = [5, 9, 13, 2, 40]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,70 @@ async def test_a_closed_engine_leaves_the_model_as_it_came(tiny_model_dir: Path)
     await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
     await engine.close()
     assert not any("forward" in vars(m) or "_areal_packed" in vars(m) for m in model.modules())
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def test_the_engine_holds_each_weight_once_and_still_takes_updates(
+    tiny_model_dir: Path,
+) -> None:
+    model, reference = _model(tiny_model_dir), _model(tiny_model_dir)
+    engine = EmbeddedEngine(model)
+    # Every projection's weight lives only in its packed (or stacked) copy; the embedding,
+    # which the tied head shares, and the norms keep theirs.
+    linears = {
+        f"{name}.weight"
+        for name, m in reference.named_modules()
+        if isinstance(m, torch.nn.Linear) and name != "lm_head"
+    }
+    assert {name for name, p in model.named_parameters() if p.is_meta} == linears
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    assert (await engine.generate(prompt, greedy)).output_ids == _greedy(reference, prompt, 8)
+
+    # A whole update (as the trainer pushes) and a partial one (one member of a stack).
+    g = torch.Generator().manual_seed(3)
+    noisy = {
+        name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=g)
+        for name, p in reference.named_parameters()
+    }
+    partial = {
+        "model.layers.1.self_attn.k_proj.weight": noisy.pop(
+            "model.layers.1.self_attn.k_proj.weight"
+        )
+    }
+    for version, update in enumerate((noisy, partial), start=1):
+        await engine.update_weights(update, version)
+        load_into(reference, update)
+        assert (await engine.generate(prompt, greedy)).output_ids == _greedy(reference, prompt, 8)
+    for name, value in engine.runner.weights().items():
+        torch.testing.assert_close(value, dict(reference.named_parameters())[name].detach())
+
+    await engine.close()  # the model gets its own weights back, updated
+    for (name, got), (_, expected) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(got.detach(), expected.detach(), msg=name)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+async def test_the_engine_keeps_no_mapping_of_the_weights_file(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # transformers maps the safetensors file; a tensor left a view of it would keep the
+    # whole file's pages resident beside the engine's packed copies.
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    engine = EmbeddedEngine.from_pretrained(str(model_dir), dtype="float32")
+    try:
+        assert str(model_dir / "model.safetensors") not in Path("/proc/self/maps").read_text()
+        out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
+        assert len(out.output_ids) == 3
+    finally:
+        await engine.close()

@@ -37,8 +37,21 @@ def test_packed_prefill_gives_the_padded_rows_logits_and_the_models(
     g = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 5, 40)]
     split = [4, 0, 2, 31]  # a cached prefix of 4, none, 2 and 31 tokens
-    packed = ModelRunner(model, num_slots=4, max_len=64, cuda_graphs=False, packed_prefill=True)
-    padded = ModelRunner(model, num_slots=4, max_len=64, cuda_graphs=False, packed_prefill=False)
+    # A runner on CPU takes its model's weights into its packed copies: one model each.
+    packed = ModelRunner(
+        _model(tiny_model_dir, device, dtype),
+        num_slots=4,
+        max_len=64,
+        cuda_graphs=False,
+        packed_prefill=True,
+    )
+    padded = ModelRunner(
+        _model(tiny_model_dir, device, dtype),
+        num_slots=4,
+        max_len=64,
+        cuda_graphs=False,
+        packed_prefill=False,
+    )
     assert packed.packed_prefill and not padded.packed_prefill
     got = _prefill_in_chunks(packed, sequences, split)
     want = _prefill_in_chunks(padded, sequences, split)

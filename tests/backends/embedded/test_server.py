@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import save_file
 
 from tests.backends.embedded.conftest import chat_prompt
 
@@ -136,7 +137,7 @@ async def test_pause_continue_abort_and_weight_routes(
     r = await client.post("/flush_cache")
     assert r.status_code == 400  # requests are running, as in SGLang
     # Refit while paused: write the current weights to disk, load them as version 7.
-    engine.model.save_pretrained(tmp_path)
+    save_file(engine.runner.weights(), tmp_path / "model.safetensors")
     r = await client.post(
         "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "7"}
     )

@@ -98,7 +98,7 @@ async def test_a_bfloat16_push_lands_as_bfloat16_values(
     assert result is not None and result.bytes == 2 * sum(
         p.numel() for _, p in trainer.named_parameters()
     )
-    own = dict(engine.model.named_parameters())
+    own = engine.runner.weights()
     name, param = trainer.named_parameters()[1]
     expected = param.detach().to(torch.bfloat16).float()
     torch.testing.assert_close(own[name].detach(), expected, atol=0, rtol=0)
