@@ -229,7 +229,8 @@ def test_a_sync_agent_that_hangs_on_some_tasks_does_not_stop_the_run(run_config,
     assert run.finish(600) == 0, run.output
     _assert_trained_once(run.run_dir, 3)
     with TrajectoryStore(run.run_dir) as store:
-        timed_out = [e for e in store.iter() if e.error and "TimeoutError" in e.error]
+        # Timed out in the worker, or found hung by the pool's own bound a little later.
+        timed_out = [e for e in store.iter() if e.error and "within" in e.error]
     assert timed_out, "no call hung"
 
 
