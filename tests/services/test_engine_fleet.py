@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 HEARTBEAT_S = 5.0  # generous: CI machines can be slow to answer under load
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
-LONG = SamplingParams(max_new_tokens=120, ignore_eos=True)
+# Long enough to be seen running on an idle machine (the context is 256 tokens).
+LONG = SamplingParams(max_new_tokens=240, ignore_eos=True)
 SHORT = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
@@ -128,7 +129,7 @@ async def _until(
             watcher.result()  # the watch's error, not a timeout
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.02)
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
