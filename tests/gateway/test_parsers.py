@@ -43,7 +43,8 @@ def test_json_fallback():
 def test_reasoning_split():
     r = split_reasoning("<think>carry the one</think>\n\nIt is 5.")
     assert (r.reasoning, r.content) == ("carry the one", "It is 5.")
-    r = split_reasoning("opened by the template</think>5")  # <think> was in the prompt
+    assert split_reasoning("a stray</think>5").content == "a stray</think>5"  # no <think>
+    r = split_reasoning("opened by the template</think>5", opened=True)  # in the prompt
     assert (r.reasoning, r.content) == ("opened by the template", "5")
     assert split_reasoning("<think>still going").content == ""
     assert split_reasoning("no thinking").reasoning is None

@@ -181,9 +181,10 @@ def parse_completion(
 def split_reasoning(text: str, *, opened: bool = False) -> Reasoning:
     """Separate a ``<think>...</think>`` block from the answer.
 
-    A template may open ``<think>`` inside the generation prompt (Qwen3, DeepSeek-R1), so a
-    closing tag alone also marks everything before it as reasoning; with ``opened`` (the
-    prompt ended in ``<think>``) a completion cut off before ``</think>`` is all reasoning.
+    A template may open ``<think>`` inside the generation prompt (Qwen3, DeepSeek-R1): with
+    ``opened`` (the prompt ended in ``<think>``) a closing tag alone marks everything before it
+    as reasoning, and a completion cut off before ``</think>`` is all reasoning. Without it, a
+    stray ``</think>`` is text, as the live stream shows it.
 
     >>> split_reasoning("<think>2+2 is 4</think>\\n\\nIt is 4.")
     Reasoning(reasoning='2+2 is 4', content='It is 4.')
@@ -197,6 +198,8 @@ def split_reasoning(text: str, *, opened: bool = False) -> Reasoning:
         return Reasoning(reasoning=None, content=text)
     head = text[:end]
     start = head.find("<think>")
+    if start < 0 and not opened:
+        return Reasoning(reasoning=None, content=text)
     before = head[:start] if start >= 0 else ""
     reasoning = head[start + len("<think>") :] if start >= 0 else head
     content = (before + text[end + len("</think>") :]).strip()
