@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from areal_sdk.gateway.tool_parsers import ToolCallParser
+from areal_sdk.gateway.tool_parsers.base import partial_suffix
 from areal_sdk.inference import GenerateOutput
 
 if TYPE_CHECKING:
@@ -29,17 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("areal_sdk.gateway")
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def partial_suffix(text: str, markers: list[str] | tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper start of some marker."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
 
 
 def live_cut(parser: ToolCallParser, text: str) -> int:
@@ -78,7 +68,7 @@ class LiveText:
                 cut = pos
         if cut < len(text):
             return text[:cut]
-        return text[: len(text) - partial_suffix(text, self.stops)]
+        return text[: len(text) - partial_suffix(text, *self.stops)]
 
     def _split(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that are safe to show, as ``split_reasoning`` would read them."""
@@ -96,7 +86,7 @@ class LiveText:
                 return "", self._content(text)
         end = text.find(THINK_CLOSE)
         if end < 0:
-            keep = text[: len(text) - partial_suffix(text, (THINK_CLOSE,))]
+            keep = text[: len(text) - partial_suffix(text, THINK_CLOSE)]
             return keep.strip(), ""
         return text[:end].strip(), self._content(text[end + len(THINK_CLOSE) :].lstrip())
 
