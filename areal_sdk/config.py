@@ -189,16 +189,28 @@ class TrainConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(8192, ge=16)
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="tokens per packed micro-batch (default: 8192 on a CPU; on CUDA as many "
+        "as the card holds beside the weights, gradients, AdamW moments and, on a shared "
+        "card, the engine; backends/train/defaults.py)",
+    )
     gradient_checkpointing: bool = False
-    compile: bool = Field(
-        False,
+    compile: bool | None = Field(
+        None,
         description="torch.compile each decoder layer (dynamic shapes): fuses the norms, "
         "rotary and MLP elementwise work around the GEMMs; the first step pays the compile "
-        "(about 15 s on a GPU). Measured 1.45x on an H200 (benchmarks/README.md)",
+        "(15-60 s on a GPU). Measured 1.45x on an H100 and an H200 (benchmarks/README.md). "
+        "Default: on for CUDA, off on a CPU",
     )
     zero_stage: Literal[0, 1, 2, 3] = 0
-    bf16: bool = Field(False, description="torch: autocast; deepspeed: bf16 weights, fp32 master")
+    bf16: bool | None = Field(
+        None,
+        description="torch: autocast; deepspeed: bf16 weights, fp32 master. Default: on for "
+        "CUDA; off on a CPU (set it where the CPU has native bf16, AVX512-BF16 or AMX, as the "
+        "quickstart does)",
+    )
     attn_implementation: str = Field(
         "varlen",
         description="varlen (per-sequence attention from the packing, flash varlen on CUDA) "

@@ -68,6 +68,9 @@ class TrainBackend(abc.ABC):
         return self.initial_version + self.step
 
     initial_version: int = 0
+    # Tokens per packed micro-batch: ``train.micro_batch_tokens``, or what the backend chose
+    # for its device when that is unset.
+    micro_batch_tokens: int = 8192
 
     @property
     def rank(self) -> int:

@@ -80,6 +80,7 @@ class _Child:
             "rank": b.rank,
             "world_size": b.world_size,
             "trains_adapter": b.trains_adapter,
+            "micro_batch_tokens": b.micro_batch_tokens,
         }
 
     def handle(self, op: str, args: tuple[Any, ...]) -> Any:
@@ -279,6 +280,10 @@ class TrainProcess(TrainBackend):
     @property
     def device(self) -> torch.device:
         return torch.device(self._state["device"])
+
+    @property
+    def micro_batch_tokens(self) -> int:  # type: ignore[override]
+        return int(self._state["micro_batch_tokens"])
 
     def exitcode(self) -> int | None:
         """None while the train process lives (or was closed on purpose); its exit code once

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from areal_sdk.backends.train.defaults import compile_by_default
 from areal_sdk.checkpoints import Checkpoint, Checkpoints
 from areal_sdk.compute_threads import in_fresh_thread
 from areal_sdk.config import Config
@@ -413,6 +416,32 @@ class TrainingRun:
             self.on_event(f"held-out reward {key} training: {result}")
         return result
 
+    def _announcing_compile(
+        self, on_step: Callable[[StepReport], None] | None
+    ) -> Callable[[StepReport], None] | None:
+        """``on_step``, saying first that the first step compiles the trainer's layers (tens
+        of seconds of an otherwise silent wait) and after it what that step took."""
+        if not compile_by_default(self.cfg.train.compile, torch.device(self.cfg.train.device)):
+            return on_step
+        self.on_event(
+            "the first training step compiles the trainer's decoder layers "
+            "(torch.compile, 15-60 s once per run; train.compile=false skips it)"
+        )
+        first = True
+
+        def announce(report: StepReport) -> None:
+            nonlocal first
+            if first:
+                first = False
+                m = report.metrics
+                train_s = m.get("time/step_s", 0.0) - m.get("time/wait_s", 0.0)
+                train_s -= m.get("time/push_s", 0.0)
+                self.on_event(f"first training step: {train_s:.0f} s, the compile included")
+            if on_step is not None:
+                on_step(report)
+
+        return announce
+
     async def _start_stack(
         self, store: TrajectoryStore, backend: TrainBackend
     ) -> LocalStack | ProcessStack:
@@ -570,7 +599,7 @@ class TrainingRun:
                 run_dir=self.run_dir,
                 log=metrics.log,
                 checkpoint=checkpoint,
-                on_step=self.on_step,
+                on_step=self._announcing_compile(self.on_step),
                 on_episodes=_trajectory_logger(cfg, metrics, stack),
                 stop=stop,
             )

@@ -208,9 +208,12 @@ def run_setting(
         f"inference.max_batch_size={args.concurrency}",
         "inference.max_model_len=1024",
         f"train.device={args.device}",
-        f"train.bf16={'true' if args.device == 'cuda' else 'false'}",
         "train.lr=1e-5",
-        f"train.micro_batch_tokens={args.micro_batch_tokens}",
+        *(
+            [f"train.micro_batch_tokens={args.micro_batch_tokens}"]
+            if args.micro_batch_tokens
+            else []
+        ),
         "algorithm.decoupled=true",
         f"run.dir={run_dir}",
         f"run.steps={args.steps}",
@@ -437,7 +440,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--min-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="default: the backend sizes it"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--engine-process",

@@ -81,6 +81,9 @@ def samples(n: int, seq: int, vocab: int):  # type: ignore[no-untyped-def]
 
 # Backend variants: name -> (config overrides, separate proximal pass).
 VARIANTS: dict[str, tuple[list[str], bool]] = {
+    # What a user gets: every train setting left at its default (on CUDA: bf16, compiled
+    # layers, micro-batches sized from the card's memory).
+    "defaults": ([], False),
     # The layout of the first measurement: masked packed row, checkpointing, extra pass.
     "sdpa_gc_prox": (["train.attn_implementation=sdpa", "train.gradient_checkpointing=true"], True),
     "varlen_gc": (["train.attn_implementation=varlen", "train.gradient_checkpointing=true"], False),
@@ -145,6 +148,14 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
 }
 
 
+def _pinned(args: argparse.Namespace) -> list[str]:
+    """The settings every variant but ``defaults`` fixes (its own overrides come after)."""
+    out = ["train.bf16=true", f"train.logprob_backend={args.logprob_backend}"]
+    if args.micro_batch_tokens is not None:
+        out.append(f"train.micro_batch_tokens={args.micro_batch_tokens}")
+    return out
+
+
 def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
     from areal_sdk.algorithms.advantages import sample_advantages
     from areal_sdk.algorithms.losses import make_loss_fn
@@ -158,10 +169,8 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         [
             f"model.path={path}",
             "train.device=cuda",
-            "train.bf16=true",
-            f"train.micro_batch_tokens={args.micro_batch_tokens}",
             "train.lr=1e-6",
-            f"train.logprob_backend={args.logprob_backend}",
+            *([] if variant == "defaults" else _pinned(args)),
             *overrides,
         ],
     )
@@ -174,7 +183,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
     for _ in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        (mbs,) = pack_samples(batch, adv, cfg.train.micro_batch_tokens)
+        (mbs,) = pack_samples(batch, adv, backend.micro_batch_tokens)
         if separate_proximal:
             for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
                 mb.proximal_logprobs = prox
@@ -185,7 +194,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            (mbs,) = pack_samples(batch, adv, cfg.train.micro_batch_tokens)
+            (mbs,) = pack_samples(batch, adv, backend.micro_batch_tokens)
             backend.train_step(mbs, loss_fn)
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
@@ -195,7 +204,8 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
     n_params = sum(t.numel() for bucket in backend.state_for_sync(1 << 40) for _, t in bucket)
     extra = " + separate proximal forward" if separate_proximal else ""
     return {
-        "what": f"{cfg.train.backend} backend GRPO step{extra}: {' '.join(overrides)}",
+        "what": f"{cfg.train.backend} backend GRPO step{extra}: {' '.join(overrides) or 'defaults'}",
+        "micro_batch_tokens": backend.micro_batch_tokens,
         "step_s": times,
         "params": n_params,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -239,7 +249,7 @@ def time_plain(path: Path, args: argparse.Namespace) -> dict:
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    per_mb = max(1, args.micro_batch_tokens // args.seq_len)
+    per_mb = max(1, (args.micro_batch_tokens or 16384) // args.seq_len)
     ids = torch.randint(0, 151936, (args.seqs, args.seq_len), device="cuda")
     times = []
     torch.cuda.reset_peak_memory_stats()
@@ -292,7 +302,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="pinned for every variant but defaults (default: the backend sizes it)",
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--pushes", type=int, default=3)

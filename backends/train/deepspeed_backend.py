@@ -31,6 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from areal_sdk.backends.train.defaults import (
+    compile_by_default,
+    engine_shares_device,
+    micro_batch_tokens_for,
+)
 from areal_sdk.backends.train.lora import (
     adapter_parameters,
     add_lora,
@@ -131,7 +136,7 @@ def deepspeed_config(cfg: TrainConfig, *, bf16: bool | None = None) -> dict[str,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
-        "bf16": {"enabled": cfg.bf16 if bf16 is None else bf16},
+        "bf16": {"enabled": bool(cfg.bf16) if bf16 is None else bf16},
         "zero_optimization": {"stage": cfg.zero_stage},
         # A client torch.optim.AdamW: no op to build; DeepSpeed asks for this flag under ZeRO.
         "zero_allow_untested_optimizer": True,
@@ -152,6 +157,7 @@ class DeepSpeedBackend(TrainBackend):
         temperature: float = 1.0,
         initial_version: int = 0,
         tokenizer_path: str | Path | None = None,
+        shares_device: bool = False,
     ) -> None:
         self.cfg = train or TrainConfig(backend="deepspeed")
         device = torch.device(self.cfg.device)
@@ -170,11 +176,19 @@ class DeepSpeedBackend(TrainBackend):
             logprob_backend=self.cfg.logprob_backend,
             padded_attention=self.cfg.padded_attention,
             varlen_kernel=self.cfg.varlen_kernel,
-            compile_layers=self.cfg.compile,
+            compile_layers=compile_by_default(self.cfg.compile, device),
         )
         # train.lora: adapters injected into the policy, every other weight frozen (and so
         # outside the optimizer and ZeRO's gradient and optimizer-state partitions).
         self.adapter = add_lora(model.policy, self.cfg.lora) if self.cfg.lora else None
+        # From the card's total memory, so that every rank (on like cards) packs alike.
+        self.micro_batch_tokens = self.cfg.micro_batch_tokens or micro_batch_tokens_for(
+            model,
+            device,
+            compiled=compile_by_default(self.cfg.compile, device),
+            checkpointing=self.cfg.gradient_checkpointing,
+            shares_device=shares_device,
+        )
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=self.cfg.lr,
@@ -198,6 +212,7 @@ class DeepSpeedBackend(TrainBackend):
             config.train,
             temperature=config.inference.temperature,
             tokenizer_path=config.model.tokenizer,
+            shares_device=engine_shares_device(config),
         )
 
     # -- properties ------------------------------------------------------------------------

@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from areal_sdk.backends.train.defaults import (
+    compile_by_default,
+    engine_shares_device,
+    micro_batch_tokens_for,
+)
 from areal_sdk.backends.train.lora import add_lora, load_adapter, merged_tensors, save_adapter
 from areal_sdk.backends.train.policy import (
     assign_weights,
@@ -75,8 +80,11 @@ def bf16_runs_fast(device: torch.device) -> bool:
         return False
 
 
-def use_bf16(requested: bool, device: torch.device) -> bool:
-    """``train.bf16`` as it can run here: on a CPU without native bf16, float32 instead."""
+def use_bf16(requested: bool | None, device: torch.device) -> bool:
+    """``train.bf16`` as it can run here: on a CPU without native bf16, float32 instead.
+    Unset, bf16 on CUDA (the fast path there) and float32 on a CPU."""
+    if requested is None:
+        return device.type == "cuda"
     if requested and not bf16_runs_fast(device):
         log.warning(
             "train.bf16 is set, but this CPU has no native bfloat16 matrix products "
@@ -111,6 +119,7 @@ class TorchBackend(TrainBackend):
         temperature: float = 1.0,
         initial_version: int = 0,
         tokenizer_path: str | Path | None = None,
+        shares_device: bool = False,
     ) -> None:
         self.cfg = train or TrainConfig()
         self._device = resolve_device(self.cfg.device)
@@ -127,11 +136,18 @@ class TorchBackend(TrainBackend):
             logprob_backend=self.cfg.logprob_backend,
             padded_attention=self.cfg.padded_attention,
             varlen_kernel=self.cfg.varlen_kernel,
-            compile_layers=self.cfg.compile,
+            compile_layers=compile_by_default(self.cfg.compile, self._device),
         )
         # train.lora: adapters injected into the policy, every other weight frozen.
         self.adapter = add_lora(self.model.policy, self.cfg.lora) if self.cfg.lora else None
         self.model.to(self._device)
+        self.micro_batch_tokens = self.cfg.micro_batch_tokens or micro_batch_tokens_for(
+            self.model,
+            self._device,
+            compiled=compile_by_default(self.cfg.compile, self._device),
+            checkpointing=self.cfg.gradient_checkpointing,
+            shares_device=shares_device,
+        )
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.cfg.lr,
@@ -152,6 +168,7 @@ class TorchBackend(TrainBackend):
             config.train,
             temperature=config.inference.temperature,
             tokenizer_path=config.model.tokenizer,
+            shares_device=engine_shares_device(config),
         )
 
     # -- properties ------------------------------------------------------------------------
