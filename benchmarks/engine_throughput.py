@@ -72,7 +72,13 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def bench_engine(
-    model, args, concurrency: int, graphs: bool | None = None, packed: bool | None = None
+    model,
+    args,
+    concurrency: int,
+    graphs: bool | None = None,
+    packed: bool | None = None,
+    fused: bool | None = None,
+    flash_decode: bool | None = None,
 ) -> dict:
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
@@ -90,6 +96,8 @@ def bench_engine(
             prefill_chunk=args.prefill_chunk,
             cuda_graphs=graphs,
             packed_weights=packed,
+            fused_decoder=fused,
+            flash_decode=flash_decode,
         ),
     )
     vocab = engine.vocab_size
@@ -114,10 +122,19 @@ def bench_engine(
 
     elapsed = asyncio.run(main())
     tokens = concurrency * args.new_tokens
+    variant = "engine"
+    if graphs is False:
+        variant += "_eager"
+    if packed is False:
+        variant += "_unpacked"
+    if fused is not None:
+        variant += "_fused" if fused else "_hf_layers"
+    if flash_decode is not None:
+        variant += "_flash_decode" if flash_decode else "_sdpa_decode"
     return {
-        "variant": "engine_eager"
-        if graphs is False
-        else ("engine_unpacked" if packed is False else "engine"),
+        "variant": variant,
+        "fused_decoder": engine.runner.fused is not None,
+        "flash_decode": engine.runner.flash_decode,
         "concurrency": concurrency,
         "seconds": round(elapsed, 3),
         "output_tokens": tokens,
@@ -196,7 +213,30 @@ def bench_hf_continuous(model, args, batch: int) -> dict:
     }
 
 
-def check(device: str) -> dict:
+def check_flash_decode(device: str) -> dict:
+    """The flash decode attention against SDPA per row, bf16, over a random slot cache."""
+    from areal_sdk.backends.embedded.kv_cache import flash_decode
+
+    g = torch.Generator(device=device).manual_seed(0)
+    slots, kv_heads, heads, positions, dim = 8, 2, 14, 65, 64
+    shape = (slots, kv_heads, positions, dim)
+    keys = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    values = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    query = torch.randn(6, heads, dim, generator=g, device=device, dtype=torch.bfloat16)
+    lengths = torch.tensor([1, 5, 64, 33, 17, 2], device=device)
+    out = flash_decode(query, keys, values, lengths, 64, dim**-0.5).float()
+    worst = 0.0
+    for r, n in enumerate(lengths.tolist()):
+        k = keys[r, :, :n].float().repeat_interleave(heads // kv_heads, 0)
+        v = values[r, :, :n].float().repeat_interleave(heads // kv_heads, 0)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            query[r].float().unsqueeze(1), k, v, scale=dim**-0.5
+        ).squeeze(1)
+        worst = max(worst, float((ref - out[r]).abs().max()))
+    return {"variant": "check_flash_decode", "max_abs_err_vs_sdpa_fp32": worst}
+
+
+def check(device: str, fused: bool | None = None) -> dict:
     """Correctness where the benchmark runs: float32 tiny model, CUDA graphs on for CUDA.
 
     Greedy output under continuous batching equals HF ``generate`` run alone; logprobs equal
@@ -210,7 +250,9 @@ def check(device: str) -> dict:
     ref = build_model("tiny", device, torch.float32)
     ref.load_state_dict(model.state_dict())
     # Lengths 5..215 (+24 new): decode graphs of the 128 and 256 cache-length buckets.
-    engine = EmbeddedEngine(model, None, config=EngineConfig(max_batch_size=8, max_model_len=512))
+    engine = EmbeddedEngine(
+        model, None, config=EngineConfig(max_batch_size=8, max_model_len=512, fused_decoder=fused)
+    )
     base = prompts(1, 240, engine.vocab_size, 3)[0]
     batch = [base[: 5 + 30 * i] for i in range(8)]
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -238,7 +280,8 @@ def check(device: str) -> dict:
             want = lp[len(p) - 1 : -1].gather(1, full[0, len(p) :].view(-1, 1)).view(-1).tolist()
             worst = max(worst, max(abs(a - b) for a, b in zip(want, out.logprobs, strict=True)))
     return {
-        "variant": "check",
+        "variant": "check" if fused is None else f"check_fused_{fused}",
+        "fused_decoder": engine.runner.fused is not None,
         "device": device,
         "cuda_graphs": len(engine.runner._graphs),
         "graph_error": engine.runner.graph_error,
@@ -355,6 +398,16 @@ def main() -> None:
         help="also the top level with plain weights (no oneDNN prepacking on CPU)",
     )
     parser.add_argument("--check", action="store_true", help="first check correctness on --device")
+    parser.add_argument(
+        "--fused-too",
+        action="store_true",
+        help="also the top level with the fused decoder forward (compiled parts on CUDA)",
+    )
+    parser.add_argument(
+        "--sdpa-decode-too",
+        action="store_true",
+        help="also the top level with decode attention as masked SDPA (no flash decode)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dtype = (
@@ -399,11 +452,22 @@ def main() -> None:
 
     if args.check:
         part(check, args.device)
+        if args.fused_too:
+            part(check, args.device, fused=True)
+        if args.device.startswith("cuda"):
+            part(check_flash_decode, args.device)
     levels = [int(x) for x in args.concurrency.split(",") if x]
     for c in levels:
         part(bench_engine, model, args, c)
     if args.eager_too and levels:
         part(bench_engine, model, args, levels[-1], graphs=False)
+    if args.fused_too and levels:
+        for c in levels:
+            part(bench_engine, model, args, c, fused=True)
+    if args.sdpa_decode_too and levels:
+        part(bench_engine, model, args, levels[-1], flash_decode=False)
+        if args.fused_too:
+            part(bench_engine, model, args, levels[-1], fused=True, flash_decode=False)
     if args.unpacked_too and levels:
         part(bench_engine, model, args, levels[-1], packed=False)
     if args.profile and levels:

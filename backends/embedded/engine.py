@@ -84,6 +84,7 @@ class EngineConfig:
     packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
     packed_weights: bool | None = None  # None: on for CPU (packed_linear.py)
     fused_decoder: bool | None = None  # None: on for CPU where supported (fused_decoder.py)
+    flash_decode: bool | None = None  # None: on for CUDA in half precision (kv_cache.py)
     recompute_kv_on_update: bool = True
 
 
@@ -139,6 +140,7 @@ class EmbeddedEngine(InferenceBackend):
             packed_prefill=self.config.packed_prefill,
             packed_weights=self.config.packed_weights,
             fused_decoder=self.config.fused_decoder,
+            flash_decode=self.config.flash_decode,
         )
         self.prefill_chunk = self.config.prefill_chunk or (
             2048 if self.runner.device.type == "cpu" else 512

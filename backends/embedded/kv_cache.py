@@ -109,8 +109,11 @@ class StepContext:
     kv_len: int
     rows_are_slots: bool
     packed: PackedRows | None = None
-    # Decode steps on CPU: how many cached positions each row attends over (``cpu_kernels``).
+    # Decode steps on CPU, and on CUDA with ``flash_decode``: how many cached positions each
+    # row attends over.
     lengths: torch.Tensor | None = None
+    # Decode through the flash kernel over each row's own prefix (``flash_decode``).
+    flash_decode: bool = False
 
 
 def slot_attention(
@@ -154,6 +157,9 @@ def attend_cached(
         values = v_cache[step.packed.key_slots, :, step.packed.key_pos]
         return _packed_attention(query[0].transpose(0, 1), keys, values, step.packed, scaling)
     rows, heads, width, head_dim = query.shape
+    if step.flash_decode and step.lengths is not None and width == 1 and step.rows_are_slots:
+        out = flash_decode(query[:, :, 0], k_cache, v_cache, step.lengths, step.kv_len, scaling)
+        return out.unsqueeze(1), None
     if step.lengths is not None and width == 1 and cpu_kernels.usable(query):
         out = cpu_kernels.decode_attention(
             query[:, :, 0],
@@ -190,6 +196,49 @@ def attend_cached(
         )
     out = out.reshape(rows, heads, width, head_dim)
     return out.transpose(1, 2).contiguous(), None
+
+
+def flash_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len_k: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One query per row (``[rows, heads, dim]``, row r is slot r) over the first
+    ``lengths[r]`` cached positions of its slot, through the flash varlen kernel; returns
+    ``[rows, heads, dim]``. GQA native.
+
+    A masked SDPA over a cache bucket reads every row up to the bucket's length and repeats
+    nothing useful past each row's end; this reads each row's own prefix only. The cache is
+    ``[slots, kv_heads, positions, dim]``: viewed as ``[rows of dim, kv_heads, dim]`` with the
+    head stride of the cache, slot ``r``'s positions are rows ``r * kv_heads * positions``
+    onwards, which is where ``cu_seqlens_k`` starts it; ``seqused_k`` (the lengths) bounds
+    it, so the next boundary is never read."""
+    slots, kv_heads, positions, dim = k_cache.shape
+    rows = query.shape[0]
+    # The view's last row ends exactly at the cache's last element (as_strided checks it).
+    span = (slots - 1) * kv_heads * positions + positions
+    strides = (dim, positions * dim, 1)
+    keys = k_cache.as_strided((span, kv_heads, dim), strides)
+    values = v_cache.as_strided((span, kv_heads, dim), strides)
+    starts = torch.arange(rows + 1, device=query.device, dtype=torch.int32)
+    out = torch.ops.aten._flash_attention_forward(
+        query,
+        keys,
+        values,
+        starts,
+        starts * (kv_heads * positions),
+        1,
+        max_len_k,
+        0.0,
+        False,
+        False,
+        scale=scaling,
+        seqused_k=lengths.to(torch.int32),
+    )[0]
+    return out
 
 
 def _packed_attention(

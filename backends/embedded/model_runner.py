@@ -71,6 +71,7 @@ class ModelRunner:
         packed_prefill: bool | None = None,
         packed_weights: bool | None = None,
         fused_decoder: bool | None = None,
+        flash_decode: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -104,6 +105,8 @@ class ModelRunner:
             torch.bfloat16,
         )
         self.packed_prefill = self._flash if packed_prefill is None else packed_prefill
+        # Decode rows attend over their own prefixes through the flash kernel (kv_cache.py).
+        self.flash_decode = self._flash if flash_decode is None else flash_decode
         self.cache = SlotKVCache(
             num_layers=cfg.num_hidden_layers,
             num_slots=num_slots,
@@ -358,7 +361,8 @@ class ModelRunner:
             mask=mask,
             kv_len=kv_len,
             rows_are_slots=True,
-            lengths=pos + 1 if self._cpu_kernels else None,
+            lengths=pos + 1 if self._cpu_kernels or self.flash_decode else None,
+            flash_decode=self.flash_decode,
         )
         hidden = self._hidden(
             ids.to(dev, non_blocking=True).view(width, 1), pos.view(width, 1), step
