@@ -97,7 +97,7 @@ def bench_engine(
             cuda_graphs=graphs,
             packed_weights=packed,
             fused_decoder=fused,
-            flash_decode=flash_decode,
+            flash_decode=bool(flash_decode),
         ),
     )
     vocab = engine.vocab_size
@@ -404,9 +404,9 @@ def main() -> None:
         help="also the top level with the fused decoder forward (compiled parts on CUDA)",
     )
     parser.add_argument(
-        "--sdpa-decode-too",
+        "--flash-decode-too",
         action="store_true",
-        help="also the top level with decode attention as masked SDPA (no flash decode)",
+        help="also the top level with flash decode attention (default: masked SDPA)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -464,10 +464,10 @@ def main() -> None:
     if args.fused_too and levels:
         for c in levels:
             part(bench_engine, model, args, c, fused=True)
-    if args.sdpa_decode_too and levels:
-        part(bench_engine, model, args, levels[-1], flash_decode=False)
+    if args.flash_decode_too and levels:
+        part(bench_engine, model, args, levels[-1], flash_decode=True)
         if args.fused_too:
-            part(bench_engine, model, args, levels[-1], fused=True, flash_decode=False)
+            part(bench_engine, model, args, levels[-1], fused=True, flash_decode=True)
     if args.unpacked_too and levels:
         part(bench_engine, model, args, levels[-1], packed=False)
     if args.profile and levels:

@@ -1,4 +1,6 @@
-"""A lean forward for Llama-family decoders (Llama, Qwen2, Mistral), for the engine on CPU.
+"""A lean forward for Llama-family decoders (Llama, Qwen2, Mistral): the engine's default on
+CPU, opt-in on CUDA (``EngineConfig.fused_decoder``), where its norm, rotary and SiLU parts
+are compiled into one kernel each.
 
 On CPU a decode step is small (16 rows x 576 features for SmolLM2), so its cost is the
 number of operations and of Python calls, not their arithmetic. The transformers modules

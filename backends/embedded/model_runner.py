@@ -105,8 +105,9 @@ class ModelRunner:
             torch.bfloat16,
         )
         self.packed_prefill = self._flash if packed_prefill is None else packed_prefill
-        # Decode rows attend over their own prefixes through the flash kernel (kv_cache.py).
-        self.flash_decode = self._flash if flash_decode is None else flash_decode
+        # Decode rows attend over their own prefixes through the flash kernel (kv_cache.py);
+        # opt-in: the masked SDPA in the decode graphs is the measured default.
+        self.flash_decode = bool(flash_decode) and self._flash
         self.cache = SlotKVCache(
             num_layers=cfg.num_hidden_layers,
             num_slots=num_slots,
