@@ -48,6 +48,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="the name /get_model_info reports"
     )
     parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the model's own)"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode CUDA graphs (default: on for CUDA)",
+    )
+    parser.add_argument(
+        "--recompute-kv-on-update",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after a weight update, in-flight requests recompute their keys and values "
+        "under the new weights (default: on)",
+    )
+    parser.add_argument(
         "--weight-version",
         type=int,
         default=0,
@@ -96,11 +112,14 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 dtype=args.dtype,
                 model_name=args.served_model_name,
+                tokenizer=args.tokenizer,
                 version=args.weight_version,
                 config=EngineConfig(
                     max_batch_size=args.max_batch_size,
                     max_model_len=args.max_model_len,
                     prefill_chunk=args.prefill_chunk,
+                    cuda_graphs=args.cuda_graphs,
+                    recompute_kv_on_update=args.recompute_kv_on_update,
                 ),
             )
     except (ModelNotFoundError, MaxModelLenError, WeightMismatchError) as exc:

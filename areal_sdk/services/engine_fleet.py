@@ -413,6 +413,12 @@ class EngineFleet:
             cmd += ["--max-model-len", str(inference.max_model_len)]
         if inference.prefill_chunk is not None:
             cmd += ["--prefill-chunk", str(inference.prefill_chunk)]
+        if cfg.model.tokenizer is not None:
+            cmd += ["--tokenizer", cfg.model.tokenizer]
+        if inference.cuda_graphs is not None:
+            cmd.append("--cuda-graphs" if inference.cuda_graphs else "--no-cuda-graphs")
+        if not inference.recompute_kv_on_update:
+            cmd.append("--no-recompute-kv-on-update")
         return cmd
 
     def _launch(self, member: _Server, *, version: int) -> _Server:
