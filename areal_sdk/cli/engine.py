@@ -69,6 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="the weight version the loaded model serves as (default 0)",
     )
+    # A supervisor's pipe (services/lifeline.py): the server exits when it closes.
+    parser.add_argument("--lifeline", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(func=run)
 
 
@@ -91,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from areal_sdk.services.orphan import exit_with_parent
+    from areal_sdk.services.lifeline import exit_with_parent
 
-    exit_with_parent()  # started by an engine fleet: never outlive it
+    if args.lifeline is not None:
+        exit_with_parent(args.lifeline, name="engine server")  # never outlive its fleet
     # SIGTERM ends the server cleanly (exit 0). While the model loads there is nothing to
     # close; once serving, uvicorn finishes its shutdown and hands the signal back.
     signal.signal(signal.SIGTERM, _exit_now)

@@ -12,17 +12,15 @@ The wire format is pickled tuples, built and read by the functions below on both
 - worker to parent: ``("beat",)``, ``("ready", pid)``, ``("error", message)``,
   ``("done", call_id, outcome)``
 
-The worker dies with its parent: ``PR_SET_PDEATHSIG`` where Linux has it, and in any case
-once the parent's end of the socket closes (it kills its own process group, so the agent's
-children go too).
+The worker dies with its parent: the socket is its lifeline (``services/lifeline.py``). Once
+the parent's end closes, however the parent died, the worker kills its own process group, so
+the agent's children go too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -43,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("areal_sdk.services.agent_worker")
 
-_PR_SET_PDEATHSIG = 1
 # Built-in plugins a worker never uses (it needs the adapters only): the engine's, the
 # trainer's and the gateway's import torch, which took half a worker's start and memory.
 _SERVER_PLUGINS = (
@@ -184,14 +181,6 @@ def _orphaned() -> NoReturn:
     os._exit(1)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # it died before the line above took effect
-        os._exit(1)
-
-
 def _adapter_host() -> PluginHost:
     """The process-wide plugin host, without the built-in plugins of the servers."""
     from areal_sdk.plugin_host import DISABLE_ENV, get_host
@@ -247,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_sdk.services.agent_worker")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--entry", required=True)
     parser.add_argument("--search-path", action="append", default=[])
     parser.add_argument("--gateway-url", required=True)
@@ -255,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     args = parser.parse_args(argv)
 
-    _die_with_parent(args.parent_pid)
     configure_service_logging()
     link = _Link(Connection(args.fd))
     threading.Thread(

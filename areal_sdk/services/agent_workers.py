@@ -101,8 +101,7 @@ class AgentWorkerPool:
     """``workers`` processes running the agent ``entry``, supervised (module docstring).
 
     ``run_dir/services/rollout-worker-N.log`` holds worker N's output, restarts included.
-    Start, call, watch and close it from one event loop: its workers are started from that
-    loop's thread, whose end ``PR_SET_PDEATHSIG`` takes for the parent's death.
+    Start, call, watch and close it from one event loop.
     """
 
     def __init__(
@@ -337,7 +336,6 @@ class AgentWorkerPool:
             "areal_sdk.services.agent_worker",
             f"--fd={theirs.fileno()}",
             f"--index={index}",
-            f"--parent-pid={os.getpid()}",
             f"--entry={self.entry}",
             f"--gateway-url={self.gateway_url}",
             f"--heartbeat-s={self._beat_s:g}",

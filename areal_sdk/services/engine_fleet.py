@@ -45,7 +45,7 @@ from areal_sdk.services.health import (
     ServiceKind,
     ServiceState,
 )
-from areal_sdk.services.orphan import child_env
+from areal_sdk.services.lifeline import Lifeline
 from areal_sdk.supervisor import LatestWeights
 
 if TYPE_CHECKING:
@@ -81,6 +81,12 @@ class _Server:
     served: int | None = None  # the weight version it said it serves, at the last probe
     pending: str | None = None  # "restart" or "catch up": out of rotation until done
     control: ServerClient | None = None
+    lifeline: Lifeline | None = None  # the server exits when this closes (launched only)
+
+    def cut_lifeline(self) -> None:
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
 
     @property
     def url(self) -> str:
@@ -173,6 +179,7 @@ class EngineFleet:
         deadline = time.monotonic() + STOP_GRACE_S
         for member in members:
             _reap(member.process, max(0.1, deadline - time.monotonic()))
+            member.cut_lifeline()
             member.state.enter(Phase.STOPPED)
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
@@ -314,6 +321,7 @@ class EngineFleet:
             self.members.remove(member)
             _signal_group(member.process, signal.SIGKILL)
             await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
+            member.cut_lifeline()
             if isinstance(exc, _StartFailed):
                 raise RuntimeError(f"engine server {member.state.name} {exc}") from None
             raise
@@ -339,6 +347,7 @@ class EngineFleet:
         self.members.remove(member)
         _signal_group(member.process, signal.SIGTERM)
         await asyncio.to_thread(_reap, member.process, STOP_GRACE_S)
+        member.cut_lifeline()
 
     async def _drain(self, member: _Server, ours: Server | None) -> None:
         """Wait until the server runs no request, this backend's or another client's (the
@@ -426,15 +435,30 @@ class EngineFleet:
             raise RuntimeError("the engine fleet is stopped")
         member.log_path = self.log_dir / f"{member.state.name}.log"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        member.cut_lifeline()  # the previous process's, after a restart
+        command = self.command(member, version=version)
+        # Our own servers die with this process, however it dies (services/lifeline.py);
+        # SGLang's launcher takes no such argument.
+        lifeline = Lifeline() if self.cfg.inference.backend != "sglang" else None
+        if lifeline is not None:
+            command += ["--lifeline", str(lifeline.child_fd)]
         with member.log_path.open("ab") as log_file:
-            member.process = subprocess.Popen(
-                self.command(member, version=version),
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **child_env()},
-                start_new_session=True,  # its own process group: stop() reaches its children
-            )
+            try:
+                member.process = subprocess.Popen(
+                    command,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(lifeline.child_fd,) if lifeline is not None else (),
+                    start_new_session=True,  # its own process group: stop() reaches its children
+                )
+            except BaseException:
+                if lifeline is not None:
+                    lifeline.close()
+                raise
+        if lifeline is not None:
+            lifeline.spawned()
+        member.lifeline = lifeline
         member.state.pid = member.process.pid
         member.state.enter(Phase.STARTING)
         return member

@@ -1,5 +1,9 @@
 """A child process that dies with its parent, however the parent dies (``kill -9`` included).
 
+The one mechanism by which every service dies with the run: the engine servers and the
+gateway get a lifeline (``--lifeline FD``); a rollout worker's socket to the run is its
+lifeline in the same way (EOF once the run is gone).
+
 The parent keeps the write end of a pipe and hands the read end to the child
 (``Popen(pass_fds=...)``); the child reads it on a thread of its own, and the read returns
 only when every write end is closed, which the kernel does when the parent exits. Unlike

@@ -1,4 +1,5 @@
-"""A service process dies with its supervisor, even one killed with ``kill -9``."""
+"""A service process dies with its supervisor, even one killed with ``kill -9``, whichever of
+the supervisor's threads launched it (services/lifeline.py)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,25 @@ import time
 
 import pytest
 
-# The supervisor: starts a child that calls exit_with_parent(), from its main thread or from
-# another thread, prints the child's pid and waits to be killed.
+# The supervisor: starts a child that holds the read end of a lifeline, from its main thread
+# or from another thread, prints the child's pid and waits to be killed.
 PARENT = """
-import os, subprocess, sys, threading, time
-from areal_sdk.services.orphan import child_env
+import subprocess, sys, threading, time
+from areal_sdk.services.lifeline import Lifeline
 
-CHILD = "from areal_sdk.services.orphan import exit_with_parent; exit_with_parent(); " \\
-    "print('ready', flush=True); import time; time.sleep(120)"
+CHILD = "import sys; from areal_sdk.services.lifeline import exit_with_parent; " \\
+    "exit_with_parent(int(sys.argv[1])); print('ready', flush=True); import time; time.sleep(120)"
 
 def spawn():
+    line = Lifeline()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD], env={**os.environ, **child_env()},
+        [sys.executable, "-c", CHILD, str(line.child_fd)], pass_fds=(line.child_fd,),
         stdout=subprocess.PIPE, text=True,
     )
+    line.spawned()
     child.stdout.readline()
     print(child.pid, flush=True)
+    spawn.line = line  # held for as long as the parent lives
 
 if sys.argv[1] == "thread":
     t = threading.Thread(target=spawn)
@@ -44,7 +48,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
 
 
 @pytest.mark.parametrize("launched_from", ["main", "thread"])
