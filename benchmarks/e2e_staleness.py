@@ -165,10 +165,17 @@ class EngineLoadSampler:
         """The engine's running totals now (``EmbeddedEngine.stats``), in process or from
         the engine process's ``/get_server_info``; None if unreadable."""
         try:
-            if url:
+            fleet = getattr(self.run.stack, "fleet", None)
+            if url or fleet is not None:
                 import httpx
 
-                return httpx.get(url + "/get_server_info", timeout=5).json()["stats"]
+                # Under run.placement=processes: every engine server's totals, summed.
+                totals: dict[str, float] = {}
+                for server in [url] if url else fleet.urls:
+                    stats = httpx.get(server + "/get_server_info", timeout=5).json()["stats"]
+                    for key, value in stats.items():
+                        totals[key] = totals.get(key, 0.0) + value
+                return totals
             engine = self.run.stack.engine
             import dataclasses
 
@@ -286,9 +293,16 @@ def run_setting(
         "placement": run.placement,
         "max_staleness": staleness,
         "steps": result.steps,
-        "engine": "process" if args.engine_url else "in process",
-        "push_method": args.push_method if args.engine_url else cfg.weights.method,
-        "pause_mode": cfg.weights.pause_mode,
+        # What ran, after the placement's adjustments (run.cfg, not the overrides).
+        "engine": "process"
+        if args.engine_url
+        else (
+            f"{run.cfg.inference.servers} server process(es)"
+            if run.placement == "processes"
+            else "in process"
+        ),
+        "push_method": run.cfg.weights.method,
+        "pause_mode": run.cfg.weights.pause_mode,
         **split,
         "wall_s": time.perf_counter() - start,
         "s_per_step": per_step,
