@@ -26,3 +26,46 @@ def test_each_row_attends_over_its_own_slot_prefix_only() -> None:
             query[r].float().unsqueeze(1), k, v, scale=dim**-0.5
         ).squeeze(1)
         torch.testing.assert_close(out[r], want, atol=2e-2, rtol=2e-2)
+
+
+def _bf16_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=192,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_steps_with_flash_attention_give_the_masked_sdpa_logits(fused: bool) -> None:
+    """The engine's decode steps (CUDA graphs, several cache buckets) with flash decode and,
+    in the second case, the fused decoder with its compiled parts, against the default path."""
+    from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
+
+    model = _bf16_llama()
+    reference = ModelRunner(model, num_slots=4, max_len=300)
+    tried = ModelRunner(
+        _bf16_llama(), num_slots=4, max_len=300, flash_decode=True, fused_decoder=fused
+    )
+    assert tried.flash_decode and (tried.fused is not None) is fused
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 40, 130, 200)]
+    for runner in (reference, tried):
+        runner.forward([RowInput(i, 0, p) for i, p in enumerate(prompts)])
+    lengths = [len(p) for p in prompts]
+    for step in range(8):
+        tokens = [(7 * step + i) % 300 for i in range(4)]
+        want = reference.decode([0, 1, 2, 3], lengths, tokens)
+        got = tried.decode([0, 1, 2, 3], lengths, tokens)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+        lengths = [n + 1 for n in lengths]
