@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from areal_sdk.store import TrajectoryStore
 
 
@@ -55,3 +57,16 @@ def test_train_names_a_missing_agent_module_before_loading_anything(run_config):
     assert done.returncode == 2
     assert "cannot find agent module 'no_such_agent'" in done.stderr
     assert "starting the engine" not in done.stdout
+
+
+@pytest.mark.slow
+def test_train_says_the_first_step_compiles_and_what_it_took(run_config):
+    """``train.compile`` (the default on CUDA) costs the first step tens of seconds: the run
+    says so before it, and after it how long the step took."""
+    config = run_config(run={"steps": 1}, train={"compile": True}, eval={"before": False})
+    done = cli("train", config, "eval.after=false")
+    assert done.returncode == 0, done.stderr + done.stdout
+    out = done.stdout
+    before = out.index("the first training step compiles the trainer's decoder layers")
+    after = out.index("first training step: ")
+    assert before < after and "the compile included" in out[after:]
