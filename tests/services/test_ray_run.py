@@ -26,8 +26,8 @@ PLACED = re.compile(r"(engine server engine-\d+|rollout worker \d+) (?:starts|ru
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """A head (where rollout workers may go) and two nodes that each hold one engine
-    server, told apart by custom resources; all on this machine."""
+    """A head (where rollout workers may go) and two nodes for engine servers, told apart
+    by custom resources; all on this machine."""
     node = {"num_cpus": 2}
     cluster = Cluster(
         initialize_head=True,
@@ -35,7 +35,7 @@ def cluster() -> Iterator[Cluster]:
     )
     try:
         for name in ("a", "b"):
-            cluster.add_node(**node, resources={"engine_slot": 1, f"node_{name}": 1})
+            cluster.add_node(**node, resources={"engine_slot": 2, f"node_{name}": 1})
         cluster.wait_for_nodes()
         yield cluster
     finally:
@@ -52,10 +52,11 @@ def _ray_config(run_config: Any, cluster: Cluster, *, steps: int, **sections: di
         },
         "ray": {
             "address": cluster.address,
+            "strategy": "SPREAD",  # the two engine servers on two nodes
             "engine": {"num_cpus": 1, "resources": {"engine_slot": 1}},
             "worker": {"num_cpus": 0.5, "resources": {"worker_slot": 1}},
         },
-        "inference": {"servers": 1},
+        "inference": {"servers": 2},
         "rollout": {"workers": 2, "retries": 1, "timeout_s": 60},
         "eval": {"before": False, "after": False},
     }
@@ -80,16 +81,14 @@ def _short(node: Any) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_ray_run_places_each_service_where_the_config_asks(run_config, cluster):
-    config = _ray_config(
-        run_config, cluster, steps=2, inference={"servers": 2}, ray={"strategy": "SPREAD"}
-    )
+    config = _ray_config(run_config, cluster, steps=2)
     run = LiveRun(config)
     assert run.finish() == 0, run.output
     _assert_trained_once(run.run_dir, 2)
     placed = _placements(run)
     engines = {placed["engine server engine-0"], placed["engine server engine-1"]}
     workers = {placed["rollout worker 0"], placed["rollout worker 1"]}
-    # One engine per node that declared engine_slot; the workers where worker_slot is.
+    # Spread over the nodes that declared engine_slot; the workers where worker_slot is.
     assert engines == {_short(n) for n in cluster.worker_nodes}, run.output
     assert workers == {_short(cluster.head_node)}, run.output
     status = subprocess.run(
@@ -101,7 +100,8 @@ def test_a_ray_run_places_each_service_where_the_config_asks(run_config, cluster
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_node_that_leaves_mid_run_costs_no_step_and_no_episode(run_config, cluster):
-    config = _ray_config(run_config, cluster, steps=4)
+    # Long enough to outlive the restart of the server that was on the node.
+    config = _ray_config(run_config, cluster, steps=40)
     run = LiveRun(config)
     run.wait_for("the first step", lambda: run.steps() >= 1)
     first = _placements(run)["engine server engine-0"]
@@ -114,7 +114,7 @@ def test_a_node_that_leaves_mid_run_costs_no_step_and_no_episode(run_config, clu
         timeout_s=120,
     )
     assert run.finish() == 0, run.output
-    _assert_trained_once(run.run_dir, 4)
+    _assert_trained_once(run.run_dir, 40)
     assert "engine server engine-0" in run.output and "restarting it" in run.output
 
 
