@@ -96,7 +96,7 @@ class RolloutConfig(Section):
     workers: int = Field(
         2,
         ge=1,
-        description="run.placement=processes: processes that run the agents (each runs up "
+        description="run.placement=processes or ray: processes that run the agents (each runs up "
         "to concurrency / workers episodes at once)",
     )
 
@@ -117,7 +117,7 @@ class InferenceConfig(Section):
     servers: int = Field(
         1,
         ge=1,
-        description="run.placement=processes: engine servers, each a process of its own, "
+        description="run.placement=processes or ray: engine servers, each a process of its own, "
         "behind the gateway's router (an episode's turns stay on one server)",
     )
     device: str = "cpu"

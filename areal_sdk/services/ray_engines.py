@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -32,7 +33,9 @@ from areal_sdk.launcher import LaunchError
 from areal_sdk.services.engine_fleet import EngineFleet, _Server, _StartFailed
 from areal_sdk.services.health import Phase
 from areal_sdk.services.orphan import child_env
-from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, free_port
+from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line, free_port
+
+log = logging.getLogger(__name__)
 
 # Filled in by the actor on its node: its Python, its IP, a port free there.
 PYTHON, HOST, PORT = "{python}", "{host}", "{port}"
@@ -92,7 +95,6 @@ class RemoteServer:
         self.exited = actor.wait.remote()
         self.pid: int | None = None
         self.returncode: int | None = None
-        self.lost: str | None = None  # why the actor died, when it did
         self.placed = False
 
     def poll(self) -> int | None:
@@ -105,10 +107,10 @@ class RemoteServer:
             self.returncode = int(ray.get(self.exited))
         except RayActorError as exc:  # killed, or its node left the cluster
             self.returncode = -int(signal.SIGKILL)
-            self.lost = _first_line(exc)
+            log.warning("the actor of engine server pid %s died: %s", self.pid, first_line(exc))
         except RayError as exc:
             self.returncode = -1
-            self.lost = _first_line(exc)
+            log.warning("the actor of engine server pid %s failed: %s", self.pid, first_line(exc))
         ray.kill(self.actor, no_restart=True)  # its resources go back to the cluster
         return self.returncode
 
@@ -184,7 +186,7 @@ class RayEngineFleet(EngineFleet):
                 ) from None
             except RayError as exc:
                 raise _StartFailed(
-                    self._not_placed(member, f"could not start: {_first_line(exc)}")
+                    self._not_placed(member, f"could not start: {first_line(exc)}")
                 ) from None
             self._placed(member, info)
         await super()._wait_up(member)
@@ -200,7 +202,7 @@ class RayEngineFleet(EngineFleet):
                 ) from None
             except RayError as exc:
                 raise LaunchError(
-                    self._not_placed(member, f"could not start: {_first_line(exc)}")
+                    self._not_placed(member, f"could not start: {first_line(exc)}")
                 ) from None
             self._placed(member, info)
         super()._wait_up_blocking(member, http, deadline)
@@ -219,8 +221,3 @@ def _portable(command: list[str]) -> list[str]:
         if out[at].startswith("cuda"):
             out[at] = "cuda"
     return out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

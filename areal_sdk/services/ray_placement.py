@@ -48,6 +48,12 @@ class NodeInfo:
         return f"node {self.node_id[:12]} ({self.ip})"
 
 
+def first_line(exc: BaseException) -> str:
+    """A Ray error's first line (the rest is a remote traceback), for one-line messages."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
     """Fail at once on a head that does not answer: ``ray.init`` retries one for good."""
     if address is None or address == "auto" or "://" in address or ":" not in address:

@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 
 from areal_sdk.launcher import LaunchError
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceKind, ServiceState
-from areal_sdk.services.ray_placement import NodeInfo, RayPlacement
+from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line
 from areal_sdk.tracing import EpisodeContext
 
 log = logging.getLogger(__name__)
@@ -227,11 +227,11 @@ class RayWorkerPool:
         try:
             outcome = await asyncio.wait_for(asyncio.wrap_future(ref.future()), bound)
         except RayActorError as exc:
-            worker.lost = worker.lost or f"died ({_first_line(exc)})"
+            worker.lost = worker.lost or f"died ({first_line(exc)})"
             self._wake.set()
             return None, f"{worker.label} {worker.lost}; episode failed"
         except RayError as exc:
-            return None, f"{worker.label} failed the episode: {_first_line(exc)}"
+            return None, f"{worker.label} failed the episode: {first_line(exc)}"
         except TimeoutError:
             ray.cancel(ref)
             return None, f"{worker.label} did not answer within {bound:g} s; episode failed"
@@ -267,11 +267,11 @@ class RayWorkerPool:
             ping = asyncio.wrap_future(w.actor.ping.remote().future())
             await asyncio.wait_for(ping, self.heartbeat_timeout_s)
         except RayActorError as exc:
-            return f"died ({_first_line(exc)})"
+            return f"died ({first_line(exc)})"
         except TimeoutError:
             return f"stalled (no answer for {self.heartbeat_timeout_s:g} s)"
         except RayError as exc:
-            return f"failed ({_first_line(exc)})"
+            return f"failed ({first_line(exc)})"
         return None
 
     async def _replace(self, w: _Worker, why: str) -> None:
@@ -300,7 +300,7 @@ class RayWorkerPool:
             resources = self.placement.resources("worker")
             return f"did not start within {self.start_timeout_s:g} s (it asks Ray for {resources})"
         except RayError as exc:
-            return f"could not start: {_first_line(exc)}"
+            return f"could not start: {first_line(exc)}"
         if answer["error"] is not None:
             return f"cannot load the agent: {answer['error']}"
         node = NodeInfo(answer["node_id"], answer["ip"])
@@ -332,8 +332,3 @@ class RayWorkerPool:
             self.on_event(message)
         except Exception:  # a display's bug must not stop the supervision
             log.exception("the rollout workers' event callback failed")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

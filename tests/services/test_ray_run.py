@@ -1,18 +1,22 @@
 """``run.placement=ray`` end to end on a local three-node Ray cluster (one machine, CPU, the
 tiny model): a real ``areal-sdk train`` joins the cluster, its engine servers and rollout
-workers land on the nodes the config asks for, and a node that leaves mid-run costs
-neither a step nor an accepted episode."""
+workers land on the nodes the config asks for, and a node that leaves mid-run (and a
+rollout worker actor that crashes) costs neither a step nor an accepted episode: each is
+replaced, the engine server on another node."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from areal_sdk.cli.status import live_services
 from areal_sdk.config import load_config
 from areal_sdk.services.placement import PlacementError, for_placement
 from tests.services.test_processes_run import LiveRun, _assert_trained_once
@@ -99,11 +103,13 @@ def test_a_ray_run_places_each_service_where_the_config_asks(run_config, cluster
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_node_that_leaves_mid_run_costs_no_step_and_no_episode(run_config, cluster):
+def test_a_lost_node_and_a_crashed_worker_cost_no_step_and_no_episode(run_config, cluster):
     # Long enough to outlive the restart of the server that was on the node.
     config = _ray_config(run_config, cluster, steps=40)
     run = LiveRun(config)
     run.wait_for("the first step", lambda: run.steps() >= 1)
+    worker = run.service("rollout_worker")
+    os.kill(worker["pid"], signal.SIGKILL)  # an actor's process crashes
     first = _placements(run)["engine server engine-0"]
     (node,) = [n for n in cluster.worker_nodes if _short(n) == first]
     cluster.remove_node(node, allow_graceful=False)  # the machine is gone, as in a crash
@@ -115,7 +121,9 @@ def test_a_node_that_leaves_mid_run_costs_no_step_and_no_episode(run_config, clu
     )
     assert run.finish() == 0, run.output
     _assert_trained_once(run.run_dir, 40)
-    assert "engine server engine-0" in run.output and "restarting it" in run.output
+    recorded, _ = live_services(run.run_dir)  # the run has ended: its last states
+    restarts = {s["name"]: s["restarts"] for s in recorded["services"]}
+    assert restarts["engine-0"] >= 1 and restarts[worker["name"]] >= 1, restarts
 
 
 def test_ray_placement_pushes_weights_through_the_shared_run_directory():
