@@ -138,3 +138,43 @@ def test_ray_placement_without_ray_says_how_to_install_it(monkeypatch):
     )
     with pytest.raises(PlacementError, match=r'pip install "areal-sdk\[ray\]"'):
         for_placement(load_config(None, []), "ray")
+
+
+def test_each_kind_asks_ray_for_its_resources_and_an_engine_on_cuda_for_a_gpu():
+    from areal_sdk.services.ray_placement import RayPlacement
+
+    cfg = load_config(
+        None,
+        [
+            "inference.device=cuda",
+            "ray.engine.num_gpus=0.5",
+            "ray.worker.num_cpus=2",
+            "ray.worker.resources={agent_node: 1}",
+        ],
+    )
+    placement = RayPlacement(cfg)
+    assert placement.resources("engine") == {"CPU": 1.0, "GPU": 0.5}
+    assert placement.resources("worker") == {"CPU": 2.0, "agent_node": 1.0}
+    on_cuda = RayPlacement(load_config(None, ["inference.device=cuda"]))
+    assert on_cuda.resources("engine") == {"CPU": 1.0, "GPU": 1.0}
+
+
+def test_an_engine_command_leaves_what_only_its_node_knows_to_the_actor():
+    import sys
+
+    from areal_sdk.services.ray_engines import HOST, PORT, PYTHON, _portable
+
+    command = [sys.executable, "-m", "areal_sdk", "engine", "--host", "127.0.0.1"]
+    command += ["--port", "4000", "--device", "cuda:3"]
+    assert _portable(command) == [
+        PYTHON, "-m", "areal_sdk", "engine", "--host", HOST, "--port", PORT, "--device", "cuda"
+    ]  # fmt: skip
+
+
+def test_a_wildcard_gateway_address_is_advertised_at_this_nodes_ip(monkeypatch):
+    from areal_sdk.services.ray_stack import _reachable
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    assert _reachable("http://0.0.0.0:8000") == "http://10.0.0.1:8000"
+    assert _reachable("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert _reachable("http://head.cluster:8000") == "http://head.cluster:8000"
