@@ -16,6 +16,7 @@ kind to the nodes that declared them (``ray start --resources='{"engine_node": 4
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,14 +56,31 @@ def first_line(exc: BaseException) -> str:
 
 
 def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
-    """Fail at once on a head that does not answer: ``ray.init`` retries one for good."""
+    """Fail at once on a head that does not answer: ``ray.init`` retries one for good. With
+    no address, Ray joins ``RAY_ADDRESS`` or the cluster ``ray start`` recorded here, which
+    may have stopped since."""
+    where = f"ray.address={address}"
+    if address is None or address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or _recorded_cluster()
+        where = f"the Ray cluster at {address} (RAY_ADDRESS or the last `ray start` here)"
     if address is None or address == "auto" or "://" in address or ":" not in address:
         return
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as exc:
-        raise LaunchError(f"cannot connect to ray.address={address}: {exc}") from None
+        raise LaunchError(
+            f"cannot connect to {where}: {exc}; start it, set ray.address, or `ray stop` to "
+            "forget a stopped one"
+        ) from None
+
+
+def _recorded_cluster() -> str | None:
+    try:
+        from ray._private.utils import read_ray_address
+    except ImportError:  # moved in another Ray: ray.init looks it up itself
+        return None
+    return read_ray_address()
 
 
 def free_port(host: str) -> int:
