@@ -16,6 +16,7 @@ kind to the nodes that declared them (``ray start --resources='{"engine_node": 4
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -98,19 +99,32 @@ class RayPlacement:
         self._offsets: dict[Kind, tuple[int, int]] = {}  # kind -> (first bundle, count)
         self._connected_here = False
 
-    def connect(self) -> RayPlacement:
-        """Join the configured cluster (or start a local one); raise ``LaunchError`` saying
-        which address failed."""
+    def connect(self, *, engines: int, workers: int) -> RayPlacement:
+        """Join the configured cluster, or start a local one that holds ``engines`` engine
+        servers and ``workers`` rollout workers; raise ``LaunchError`` saying which address
+        failed."""
         if ray.is_initialized():
             return self
         address = self.cfg.ray.address
         _check_reachable(address)
+        local: dict[str, Any] = {}
+        if address is None and not os.environ.get("RAY_ADDRESS") and _recorded_cluster() is None:
+            # A cluster of this machine alone: its CPUs are logical, shared by every service
+            # as under `processes` (a two-core machine still runs two workers and an engine).
+            asked = engines * self.cfg.ray.engine.num_cpus + workers * self.cfg.ray.worker.num_cpus
+            local = {
+                "num_cpus": max(os.cpu_count() or 1, math.ceil(asked)),
+                "include_dashboard": False,
+            }
+        # The run handles SIGINT and SIGTERM itself (the step in flight, a checkpoint); Ray's
+        # handler in this process would print a stack and abort instead.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         try:
             ray.init(
                 address=address,
                 namespace=self.cfg.ray.namespace,
                 log_to_driver=False,  # each service logs to run.dir/services/<name>.log
-                include_dashboard=False if address is None else None,
+                **local,
             )
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"ray.address={address}" if address else "the local Ray cluster"
@@ -161,6 +175,10 @@ class RayPlacement:
                 self.group, placement_group_bundle_index=first + index
             )
         return options
+
+    def machines(self) -> set[str]:
+        """The IPs of the cluster's live nodes (several nodes may share one machine)."""
+        return {node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
 
     def close(self) -> None:
         """Release the placement group and leave the cluster (a cluster this run started

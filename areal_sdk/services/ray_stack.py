@@ -45,7 +45,9 @@ class RayStack(ProcessStack):
         servers, workers = cfg.inference.servers, cfg.rollout.workers
         where = cfg.ray.address or "the local Ray cluster"
         self.on_event(f"connecting to {where}")
-        self.placement = await asyncio.to_thread(RayPlacement(cfg).connect)
+        placement = RayPlacement(cfg)
+        await asyncio.to_thread(placement.connect, engines=servers, workers=workers)
+        self.placement = placement
         await asyncio.to_thread(
             self.placement.reserve,
             engines=servers,
@@ -79,6 +81,11 @@ class RayStack(ProcessStack):
         await asyncio.to_thread(self.gateway.start)
         self.url = self.gateway.url
         self.fleet.on_change = self._forward_engines
+        if _loopback(self.url) and len(self.placement.machines()) > 1:
+            self.on_event(
+                f"warning: the gateway listens on {self.url}, which rollout workers on other "
+                "machines cannot reach; set inference.host=0.0.0.0 (docs/cluster.md)"
+            )
         self.on_event(f"starting {workers} rollout worker{'s' if workers != 1 else ''} on Ray")
         self.workers = RayWorkerPool(
             cfg.agent.entry or "",
@@ -125,3 +132,11 @@ def _reachable(url: str) -> str:
     ip = ray.util.get_node_ip_address()
     host = f"[{ip}]" if ":" in ip else ip
     return f"{parsed.scheme}://{host}:{parsed.port}"
+
+
+def _loopback(url: str) -> bool:
+    host = httpx.URL(url).host
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
