@@ -116,9 +116,6 @@ class RayPlacement:
                 "num_cpus": max(os.cpu_count() or 1, math.ceil(asked)),
                 "include_dashboard": False,
             }
-        # The run handles SIGINT and SIGTERM itself (the step in flight, a checkpoint); Ray's
-        # handler in this process would print a stack and abort instead.
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         try:
             ray.init(
                 address=address,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 from typing import Any
 
 import httpx
@@ -36,6 +37,9 @@ class RayStack(ProcessStack):
     placement: Any = None
 
     async def _start(self) -> None:
+        # The run handles SIGINT and SIGTERM itself (the step in flight, a checkpoint); Ray's
+        # handler would print a stack and abort the run instead. Read when Ray is imported.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         from areal_sdk.services.gateway_process import GatewayProcess
         from areal_sdk.services.ray_engines import RayEngineFleet
         from areal_sdk.services.ray_placement import RayPlacement

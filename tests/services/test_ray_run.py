@@ -103,6 +103,18 @@ def test_a_ray_run_places_each_service_where_the_config_asks(run_config, cluster
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_ray_run_stopped_with_sigterm_keeps_its_last_step(run_config, cluster):
+    config = _ray_config(run_config, cluster, steps=200)
+    run = LiveRun(config)
+    run.wait_for("the first step", lambda: run.steps() >= 1)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(300) == 128 + signal.SIGTERM, run.output
+    assert "interrupted by SIGTERM: checkpoint of step" in run.output, run.output
+    assert "SIGTERM received" not in run.output  # Ray's own handler stayed out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_lost_node_and_a_crashed_worker_cost_no_step_and_no_episode(run_config, cluster):
     # Long enough to outlive the restart of the server that was on the node.
     config = _ray_config(run_config, cluster, steps=40)
