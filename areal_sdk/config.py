@@ -96,7 +96,7 @@ class RolloutConfig(Section):
     workers: int = Field(
         2,
         ge=1,
-        description="run.placement=processes: processes that run the agents (each runs up "
+        description="run.placement=processes or ray: processes that run the agents (each runs up "
         "to concurrency / workers episodes at once)",
     )
 
@@ -117,7 +117,7 @@ class InferenceConfig(Section):
     servers: int = Field(
         1,
         ge=1,
-        description="run.placement=processes: engine servers, each a process of its own, "
+        description="run.placement=processes or ray: engine servers, each a process of its own, "
         "behind the gateway's router (an episode's turns stay on one server)",
     )
     device: str = "cpu"
@@ -388,6 +388,72 @@ class RunConfig(Section):
     restart_window_s: float = Field(300.0, gt=0)
 
 
+class RayResources(Section):
+    """What one service of a kind asks of the Ray cluster (``run.placement: ray``)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="a fraction shares one card (0.5: two on a GPU); default: 1 for an engine "
+        "whose inference.device is CUDA, else 0",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom resources, e.g. {engine_node: 1} to pin the kind to nodes that "
+        "declared it (ray start --resources)",
+    )
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_above_one(cls, value: float | None) -> float | None:
+        if value is not None and value > 1 and value != int(value):
+            raise ValueError(f"{value:g} GPUs: above 1, Ray needs a whole number")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _positive(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if amount < 0:
+                raise ValueError(f"resource {name!r}: {amount:g} is negative")
+        return value
+
+
+class RayConfig(Section):
+    """``run.placement: ray``: the cluster, and where each kind of service goes.
+
+    Engine servers and rollout workers are Ray actors; the gateway and the trainer run
+    beside the run's own process (docs/cluster.md)."""
+
+    address: str | None = Field(
+        None,
+        description="the cluster (auto, or host:port of its head); default: the one `ray "
+        "start` made on this machine (or RAY_ADDRESS), else a local one started by the run",
+    )
+    namespace: str | None = Field(None, description="the Ray namespace of the run's actors")
+    strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] | None = Field(
+        None,
+        description="reserve every engine and rollout worker in one placement group with "
+        "this strategy (each bundle: the kind's resources); default: no placement group",
+    )
+    engine: RayResources = Field(default_factory=RayResources)
+    worker: RayResources = Field(default_factory=RayResources)
+
+    @model_validator(mode="after")
+    def _bundles_not_empty(self) -> RayConfig:
+        if self.strategy is None:
+            return self
+        for kind in ("engine", "worker"):
+            ask = getattr(self, kind)
+            if not (ask.num_cpus or ask.num_gpus or any(ask.resources.values())):
+                raise ValueError(
+                    f"ray.strategy={self.strategy} reserves a bundle per service, and "
+                    f"ray.{kind} asks for nothing: give it num_cpus, num_gpus or resources"
+                )
+        return self
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -399,6 +465,7 @@ class Config(Section):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

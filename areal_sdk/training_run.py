@@ -445,9 +445,16 @@ class TrainingRun:
     async def _start_stack(
         self, store: TrajectoryStore, backend: TrainBackend
     ) -> LocalStack | ProcessStack:
-        """The engine and the gateway in this process, or every service in its own."""
-        if self.placement == "processes":
-            stack = ProcessStack(
+        """The engine and the gateway in this process, or every service in its own (on
+        this machine, or as Ray actors across a cluster)."""
+        if self.placement in ("processes", "ray"):
+            if self.placement == "ray":
+                from areal_sdk.services.ray_stack import RayStack
+
+                kind: type[ProcessStack] = RayStack
+            else:
+                kind = ProcessStack
+            stack = kind(
                 self.cfg,
                 store,
                 host=self.host,

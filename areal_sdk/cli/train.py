@@ -113,7 +113,7 @@ def train(args: argparse.Namespace) -> int:
             f"{_fmt(m.get('rollout/tokens_per_s'), '.0f')} tok/s  "
             f"loss {_fmt(m.get('loss'), '.4f')}  v{report.version}"
         )
-        if run.placement == "processes":
+        if run.placement in ("processes", "ray"):
             stats += "  " + _services_up(run.services())
         progress.update(bar, completed=report.step, stats=stats)
         if not console.is_terminal:

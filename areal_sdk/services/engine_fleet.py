@@ -619,6 +619,9 @@ def _device(device: str, index: int) -> str:
 
 def _signal_group(process: subprocess.Popen[bytes] | None, sig: signal.Signals) -> None:
     if process is not None and process.poll() is None:
+        if not isinstance(process, subprocess.Popen):  # on another machine (ray_engines.py)
+            process.send_signal(sig)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, sig)
 

@@ -33,12 +33,10 @@ def resolve_placement(cfg: Config) -> Placement:
 def for_placement(cfg: Config, placement: Placement) -> Config:
     """``cfg`` as ``placement`` runs it: in ``processes`` the trainer is a process of its own
     and weights reach the engine servers across processes (``in_process`` becomes CUDA IPC on
-    a GPU, safetensors on disk on a CPU)."""
+    a GPU, safetensors on disk on a CPU). ``ray`` places them on a cluster, with weights on
+    disk under the run directory, which every node must see."""
     if placement == "ray":
-        raise PlacementError(
-            "run.placement=ray is not available in this version; use processes (one machine) "
-            "or inprocess"
-        )
+        return _for_ray(cfg)
     if placement == "inprocess":
         if cfg.inference.servers > 1:
             raise PlacementError(
@@ -64,3 +62,28 @@ def for_placement(cfg: Config, placement: Placement) -> Config:
                 weights["dtype"] = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
         updates["weights"] = cfg.weights.model_copy(update=weights)
     return cfg.model_copy(update=updates)
+
+
+def _for_ray(cfg: Config) -> Config:
+    """Engine servers and rollout workers as Ray actors, the trainer a process of its own
+    beside the run; weights reach the servers on other machines as safetensors in the run
+    directory (a shared path)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise PlacementError(
+            'run.placement=ray needs Ray: pip install "areal-sdk[ray]" (on every node)'
+        )
+    if cfg.train.separate_process is False:
+        raise PlacementError(
+            "run.placement=ray runs the trainer in a process of its own; "
+            "remove train.separate_process=false"
+        )
+    if cfg.weights.method not in ("in_process", "disk"):
+        raise PlacementError(
+            f"weights.method={cfg.weights.method} does not reach engine servers on other "
+            "machines; run.placement=ray pushes weights with disk (the run directory, shared)"
+        )
+    train = cfg.train.model_copy(update={"separate_process": True})
+    weights = cfg.weights.model_copy(update={"method": "disk"})
+    return cfg.model_copy(update={"train": train, "weights": weights})

@@ -29,7 +29,7 @@ def test_processes_moves_the_trainer_out_and_weights_across_processes():
     [
         (["train.separate_process=false"], "processes", "train.separate_process=false"),
         (["inference.servers=2"], "inprocess", "inference.servers=2 needs"),
-        ([], "ray", "run.placement=ray is not available"),
+        (["weights.method=cuda_ipc"], "ray", "does not reach engine servers on other"),
     ],
 )
 def test_placements_a_config_cannot_run_say_what_to_change(overrides, placement, message):
