@@ -8,7 +8,7 @@ as it does for local processes. ``RemoteServer`` gives the fleet the part of
 dies, or whose node leaves the cluster, reads as a server that exited: the fleet takes it
 out of rotation, counts it against the restart policy and starts a fresh actor, which Ray
 places on a node that has the resources (its placement-group bundle, moved to a live node).
-The server dies with its actor (``services/orphan.py``).
+The server dies with its actor: the actor holds its lifeline (``services/lifeline.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from areal_sdk.launcher import LaunchError
 from areal_sdk.services.engine_fleet import EngineFleet, _Server, _StartFailed
 from areal_sdk.services.health import Phase
-from areal_sdk.services.orphan import child_env
+from areal_sdk.services.lifeline import Lifeline
 from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line, free_port
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,19 @@ class ServerActor:
 
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
+        self.lifeline: Lifeline | None = None
         self.launched = threading.Event()
 
-    def start(self, command: list[str], log_path: str) -> dict[str, Any]:
+    def start(self, command: list[str], log_path: str, lifeline: bool = True) -> dict[str, Any]:
+        """Start the server; with ``lifeline`` (our own engine, not SGLang's launcher) it
+        exits when this actor's process does."""
         node = NodeInfo.here()
         port = free_port(node.ip)
         fill = {PYTHON: sys.executable, HOST: node.ip, PORT: str(port)}
         argv = [fill.get(arg, arg) for arg in command]
+        line = Lifeline() if lifeline else None
+        if line is not None:
+            argv += ["--lifeline", str(line.child_fd)]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             self.process = subprocess.Popen(
@@ -61,9 +67,12 @@ class ServerActor:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **child_env()},  # dies with this actor
+                pass_fds=(line.child_fd,) if line is not None else (),
                 start_new_session=True,
             )
+        if line is not None:
+            line.spawned()
+        self.lifeline = line  # held for the actor's life
         self.launched.set()
         host = f"[{node.ip}]" if ":" in node.ip else node.ip
         return {
@@ -147,7 +156,9 @@ class RayEngineFleet(EngineFleet):
         index = int(name.rsplit("-", 1)[1])
         actor = ServerActor.options(**self.placement.options("engine", index)).remote()
         started = actor.start.remote(
-            _portable(self.command(member, version=version)), str(member.log_path)
+            _portable(self.command(member, version=version)),
+            str(member.log_path),
+            self.cfg.inference.backend != "sglang",
         )
         member.process = RemoteServer(actor, started)  # type: ignore[assignment]
         member.state.pid = None
