@@ -159,6 +159,8 @@ class EngineFleet:
                 timeout_s=inference.request_timeout_s,
                 retries=inference.retries,
             )
+            # This fleet restarts dead servers: an update finding none waits for one.
+            self._backend.rejoin_timeout_s = self.start_timeout_s
             self._backend.connect()
         except BaseException:
             self.stop()

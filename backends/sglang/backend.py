@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# How often an update with no server in rotation looks for a restarted one.
+REJOIN_POLL_S = 0.2
 # Header sglang-router (SGLang Model Gateway) routes sticky sessions by.
 ROUTING_HEADER = "X-SMG-Routing-Key"
 PAUSE_POLL_S = 0.02
@@ -81,6 +84,9 @@ class SGLangBackend(InferenceBackend):
         self._closed = False
         # train.lora: the adapter every request names (SGLang's ``lora_path``); lora.py sets it.
         self.lora_name: str | None = None
+        # Where a supervisor restarts dead servers (an engine fleet sets it): how long an update
+        # with no server in rotation waits for one to rejoin rather than fail the run.
+        self.rejoin_timeout_s = 0.0
 
     @classmethod
     def from_config(cls, config: Config) -> SGLangBackend:
@@ -476,24 +482,41 @@ class SGLangBackend(InferenceBackend):
         self, call: Callable[[Server], Awaitable[T]], *, strict: bool = True
     ) -> list[T]:
         """``call`` on every live server at once. A server that cannot be reached leaves
-        rotation (it would serve stale weights); any other failure is raised."""
-        servers = self.pool.live
-        if not servers:
-            raise NoServerLeft(self.pool.describe_dead())
-        results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
+        rotation (it would serve stale weights); any other failure is raised.
+
+        With no server left, and a supervisor that restarts them (``rejoin_timeout_s``), it
+        waits for one to rejoin and calls it: a restarted server comes back with the newest
+        weights pushed before, so the call brings it up to date, and a lone server that dies
+        during a push costs the run a restart, not its end."""
+        deadline = time.monotonic() + self.rejoin_timeout_s
         out: list[T] = []
-        for server, result in zip(servers, results, strict=True):
-            if isinstance(result, ServerUnavailable):
-                log.warning("taking %s out of rotation: %s", server.url, result)
-                self.pool.mark_dead(server, str(result))
-            elif isinstance(result, BaseException):
-                if strict:
-                    raise result
-            else:
-                out.append(result)
-        if not self.pool.live:
-            raise NoServerLeft(self.pool.describe_dead())
-        return out
+        called: set[int] = set()
+        while True:
+            servers = [s for s in self.pool.live if id(s) not in called]
+            if not servers and not self.pool.live:
+                if time.monotonic() >= deadline:
+                    raise NoServerLeft(self.pool.describe_dead())
+                await asyncio.sleep(REJOIN_POLL_S)
+                continue
+            if not servers:
+                return out
+            results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
+            for server, result in zip(servers, results, strict=True):
+                called.add(id(server))
+                if isinstance(result, ServerUnavailable):
+                    log.warning("taking %s out of rotation: %s", server.url, result)
+                    self.pool.mark_dead(server, str(result))
+                elif isinstance(result, BaseException):
+                    if strict:
+                        raise result
+                else:
+                    out.append(result)
+            if any(s.alive for s in servers) or self.rejoin_timeout_s <= 0:
+                if not self.pool.live:
+                    raise NoServerLeft(self.pool.describe_dead())
+                return out
+            # Every server called has gone: wait for a restarted one.
+            called.clear()
 
 
 def _join(
