@@ -148,7 +148,9 @@ def test_serve_model_checkpoint_serves_the_trained_weights(tiny_model_dir, tmp_p
     # The trainer's own logprobs of the served tokens: the engine runs the trained weights.
     ids = prompt + completion
     expected = trainer.forward_logprobs([single(ids)])[0][len(prompt) :]
-    torch.testing.assert_close(served, expected, atol=2e-3, rtol=0)
+    # OpenAI's logprobs leave out the end-of-turn token that token_ids keep, when one came.
+    assert len(expected) - len(served) in (0, 1)
+    torch.testing.assert_close(served, expected[: len(served)], atol=2e-3, rtol=0)
     from areal_sdk.backends.train.torch_backend import TorchBackend
 
     from tests.backends.train.common import train_config
