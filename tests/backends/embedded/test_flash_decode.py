@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from areal_sdk.backends.embedded.kv_cache import flash_decode
+
+from tests.backends.embedded.test_fused_decoder import _llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs CUDA")
 
@@ -28,33 +32,24 @@ def test_each_row_attends_over_its_own_slot_prefix_only() -> None:
         torch.testing.assert_close(out[r], want, atol=2e-2, rtol=2e-2)
 
 
-def _bf16_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _bf16_llama(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=192,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_decode_steps_with_flash_attention_give_the_masked_sdpa_logits(fused: bool) -> None:
+def test_decode_steps_with_flash_attention_give_the_masked_sdpa_logits(
+    tmp_path: Path, fused: bool
+) -> None:
     """The engine's decode steps (CUDA graphs, several cache buckets) with flash decode and,
     in the second case, the fused decoder with its compiled parts, against the default path."""
     from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
 
-    model = _bf16_llama()
-    reference = ModelRunner(model, num_slots=4, max_len=300)
+    model_dir = _llama(tmp_path)
+    reference = ModelRunner(_bf16_llama(model_dir), num_slots=4, max_len=300)
     tried = ModelRunner(
-        _bf16_llama(), num_slots=4, max_len=300, flash_decode=True, fused_decoder=fused
+        _bf16_llama(model_dir), num_slots=4, max_len=300, flash_decode=True, fused_decoder=fused
     )
     assert tried.flash_decode and (tried.fused is not None) is fused
     g = torch.Generator().manual_seed(1)
