@@ -1,4 +1,4 @@
-"""The ``torch`` train backend: one process, CPU or one GPU, plain torch AdamW.
+"""The ``torch`` train backend: one process, CPU or one GPU, torch AdamW (``optimizer``).
 
 bf16 (``train.bf16``) keeps float32 master weights and runs forward/backward under
 ``torch.autocast`` (bfloat16). Gradient checkpointing is HF's, non-reentrant. Micro-batches
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from areal_sdk.backends.train.lora import add_lora, load_adapter, merged_tensors, save_adapter
+from areal_sdk.backends.train.optimizer import build_adamw
 from areal_sdk.backends.train.policy import (
     assign_weights,
     hf_name,
@@ -132,15 +133,8 @@ class TorchBackend(TrainBackend):
         # train.lora: adapters injected into the policy, every other weight frozen.
         self.adapter = add_lora(self.model.policy, self.cfg.lora) if self.cfg.lora else None
         self.model.to(self._device)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=self.cfg.lr,
-            betas=tuple(self.cfg.betas),
-            eps=self.cfg.eps,
-            weight_decay=self.cfg.weight_decay,
-            # One kernel for the whole update instead of a few per parameter, on CUDA and on
-            # CPU (there 4x faster for SmolLM2, and no temporaries the size of a parameter).
-            fused=self._device.type in ("cuda", "cpu"),
+        self.optimizer = build_adamw(
+            [p for p in self.model.parameters() if p.requires_grad], self.cfg, self._device
         )
         self._step = 0
 
