@@ -30,6 +30,7 @@ from areal_sdk.backends.train.policy import (
     plan_buckets,
     read_step_metrics,
 )
+from areal_sdk.backends.train.weight_casts import recast_weights_in_backward
 
 from areal_sdk.checkpoints import (
     ADAPTER_DIR,
@@ -161,14 +162,24 @@ class TorchBackend(TrainBackend):
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.bf16:
             return contextlib.nullcontext()
-        return torch.autocast(self._device.type, dtype=torch.bfloat16)
+        # autocast's cache keeps each weight's bf16 copy until the forward ends; every weight
+        # is used once, so on a CPU, where memory is what runs out, copies die after use.
+        cache = self._device.type != "cpu"
+        return torch.autocast(self._device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
     # -- compute ---------------------------------------------------------------------------
+
+    def _keep_weights(self) -> contextlib.AbstractContextManager[Any]:
+        # And the backward casts each weight again rather than keep its copy from the forward
+        # (weight_casts): 0.2 GB less at a CPU step's peak for SmolLM2-135M.
+        if self.bf16 and self._device.type == "cpu":
+            return recast_weights_in_backward()
+        return contextlib.nullcontext()
 
     def _run(
         self, batch: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with self._autocast():
+        with self._autocast(), self._keep_weights():
             return self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, with_entropy)
 
     @torch.no_grad()
@@ -198,6 +209,10 @@ class TorchBackend(TrainBackend):
             mb = batch.to(self._device)
             logprobs, entropy = self._run(mb, with_entropy=True)
             loss, metrics = loss_fn(logprobs.float(), entropy, mb)
+            if self._device.type == "cpu":
+                # The forward's temporaries (and autocast's weight copies) are freed: hand
+                # their pages back before the backward's peak rather than after it.
+                release_free_memory()
             (loss * share).backward()
             losses.append(loss)
             parts.append((share, metrics))
