@@ -72,6 +72,10 @@ def test_a_checkpoint_keeps_the_moments_compact(tiny_model_dir: Path, tmp_path: 
     again.load(tmp_path / "bf16")
     assert moments_of(again) == {torch.bfloat16}
     assert again.step == 2
+    back = TorchBackend(tiny_model_dir, train_config(optimizer_state_dtype="float32"))
+    back.load(tmp_path / "bf16")
+    assert moments_of(back) == {torch.float32}
+    back.train_step(batches, loss_fn(2))
 
 
 def test_auto_is_bf16_on_a_cpu_and_float32_on_a_gpu() -> None:
