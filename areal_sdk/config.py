@@ -189,6 +189,12 @@ class TrainConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, gt=0)
+    optimizer_state_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="torch backend: the dtype AdamW stores its two moments in (the update "
+        "runs in float32 either way); bfloat16 halves their memory. auto: bfloat16 on a "
+        "CPU, float32 on a GPU",
+    )
     micro_batch_tokens: int | None = Field(
         None,
         ge=16,
@@ -259,6 +265,15 @@ class TrainConfig(Section):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
             raise ValueError(f"train.device must be cpu, cuda or cuda:N, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _state_dtype_is_torchs(self) -> TrainConfig:
+        if self.backend == "deepspeed" and self.optimizer_state_dtype == "bfloat16":
+            raise ValueError(
+                "train.optimizer_state_dtype: bfloat16 is the torch backend's; DeepSpeed keeps "
+                "its optimizer state as train.deepspeed says"
+            )
+        return self
 
 
 class TokenMaskConfig(Section):
