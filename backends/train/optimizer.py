@@ -48,11 +48,27 @@ def build_adamw(
     return CompactAdamW(params, state_dtype=state_dtype, **kwargs)
 
 
+def store_rounded(source: torch.Tensor, out: torch.Tensor) -> None:
+    """Store float32 ``source`` in ``out``; into bfloat16 with stochastic rounding.
+
+    Rounded to nearest, a moment stops moving once its change per step is under half a
+    bfloat16 step (2^-9 of its value): with beta2 = 0.999 the second moment changes by 0.1%
+    a step, so it froze wherever it stood. Rounding up with probability equal to the distance
+    keeps every update in expectation: add 16 random bits below bfloat16's last bit of the
+    float32 pattern, then cut them off (the cut value is exact in bfloat16)."""
+    if out.dtype != torch.bfloat16 or source.dtype != torch.float32:
+        out.copy_(source)
+        return
+    bits = source.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
+    out.copy_(noise.add_(bits).bitwise_and_(-(1 << 16)).view(torch.float32))
+
+
 class CompactAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose moments are stored in ``state_dtype`` (bfloat16).
 
     Each step upcasts one parameter's moments to float32, runs torch's AdamW update on them
-    and stores them back rounded to nearest. Checkpoints hold the stored dtype; a float32
+    and stores them back with stochastic rounding (``store_rounded``). Checkpoints hold the stored dtype; a float32
     checkpoint loads too (its moments are rounded).
     """
 
@@ -102,8 +118,8 @@ class CompactAdamW(torch.optim.AdamW):
                     eps=group["eps"],
                     maximize=group["maximize"],
                 )
-                state["exp_avg"].copy_(exp_avg)
-                state["exp_avg_sq"].copy_(exp_avg_sq)
+                store_rounded(exp_avg, state["exp_avg"])
+                store_rounded(exp_avg_sq, state["exp_avg_sq"])
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
