@@ -192,8 +192,8 @@ class TrainConfig(Section):
     optimizer_state_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="torch backend: the dtype AdamW stores its two moments in (the update "
-        "runs in float32 either way); bfloat16 halves their memory. auto: bfloat16 on a "
-        "CPU, float32 on a GPU",
+        "runs in float32 either way); bfloat16 halves their memory, stored with stochastic "
+        "rounding (the quickstart uses it). auto: float32",
     )
     micro_batch_tokens: int | None = Field(
         None,

@@ -78,9 +78,10 @@ def test_a_checkpoint_keeps_the_moments_compact(tiny_model_dir: Path, tmp_path: 
     back.train_step(batches, loss_fn(2))
 
 
-def test_auto_is_bf16_on_a_cpu_and_float32_on_a_gpu() -> None:
-    assert optimizer_state_dtype("auto", torch.device("cpu")) == torch.bfloat16
+def test_auto_is_float32_and_bfloat16_is_asked_for() -> None:
+    assert optimizer_state_dtype("auto", torch.device("cpu")) == torch.float32
     assert optimizer_state_dtype("auto", torch.device("cuda")) == torch.float32
+    assert optimizer_state_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert optimizer_state_dtype("float32", torch.device("cpu")) == torch.float32
     assert optimizer_state_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16
 
