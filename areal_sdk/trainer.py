@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Groups in a row whose every episode failed before the run stops: 64 failed episodes at
+# the default group size, which a run that can train does not see.
+FAILED_GROUPS_LIMIT = 8
+
+
 class TrainingError(RuntimeError):
     """A step cannot complete (a weight push timed out, the engine died, ...)."""
 
@@ -182,6 +187,7 @@ class AsyncTrainer:
         self.version_offset = backend.version - backend.step
         self.buffer = GroupBuffer()
         self.max_seen_staleness = 0
+        self._failed_in_a_row = 0  # groups whose every episode failed, since one did not
         self.groups_started = 0
         self._rollout_tokens = 0
         self._rollout_started = time.perf_counter()
@@ -254,6 +260,18 @@ class AsyncTrainer:
 
     # -- trainer -------------------------------------------------------------------------------
 
+    def _check_failing(self, group: Group) -> None:
+        """Count groups whose every episode failed; past ``FAILED_GROUPS_LIMIT`` in a row the
+        run stops with the last error instead of starting new groups forever (a prompt over
+        the context, an agent that always raises)."""
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= FAILED_GROUPS_LIMIT:
+            last = next((e.error for e in reversed(group.episodes) if e.error), "no error given")
+            raise TrainingError(
+                f"every episode of the last {self._failed_in_a_row} groups failed; the last "
+                f"error: {last}"
+            )
+
     async def _next_groups(self, step: int) -> tuple[list[Group], dict[str, float]]:
         """Whole groups for one step: stale or (with dynamic filtering) flat groups are
         dropped, their admission slots given back so fresh ones start."""
@@ -265,10 +283,12 @@ class AsyncTrainer:
                 dropped_stale += 1
             elif not group.ok:
                 dropped_failed += 1
+                self._check_failing(group)
             elif self.cfg.algorithm.dynamic_filter and len(set(group.rewards)) <= 1:
                 dropped_flat += 1
             else:
                 chosen.append(group)
+                self._failed_in_a_row = 0
                 continue
             await self.staleness.give_back(len(group.episodes))
         return chosen, {

@@ -75,3 +75,26 @@ def test_quickstart_config_runs_two_steps(tiny_model_dir, tmp_path):
     )
     result = asyncio.run(TrainingRun(cfg, config_dir=CONFIGS[0].parent).run())
     assert result.steps == 2 and result.after is not None and result.after.episodes == 4
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_every_episode_fails_stops_with_the_error(tiny_model_dir, tmp_path):
+    """The quickstart's 128-token context is too short for the tiny model's longer spelling
+    of its prompts: every call is refused. The run stops naming why, rather than starting
+    new groups forever."""
+    from areal_sdk.trainer import TrainingError
+
+    cfg = load_config(
+        CONFIGS[0],
+        [
+            "model.name=null",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=2",
+            "eval.before=false",
+            "eval.after=false",
+            "run.metric_sinks=[jsonl]",
+        ],
+    )
+    with pytest.raises(TrainingError, match="every episode of the last 8 groups failed"):
+        asyncio.run(TrainingRun(cfg, config_dir=CONFIGS[0].parent).run())
