@@ -83,9 +83,10 @@ class _Worker:
 
 @dataclass(frozen=True)
 class _BoundRunner:
-    """The pool as one controller's ``AgentRunner``, with that controller's agent kwargs."""
+    """A pool (this module's or Ray's) as one controller's ``AgentRunner``, with that
+    controller's agent kwargs."""
 
-    pool: AgentWorkerPool
+    pool: Any
     agent_kwargs: dict[str, Any]
 
     async def call(

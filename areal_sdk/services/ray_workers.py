@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from areal_sdk.launcher import LaunchError
+from areal_sdk.services.agent_workers import _BoundRunner
 from areal_sdk.services.health import Phase, RestartPolicy, ServiceKind, ServiceState
 from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line
 from areal_sdk.tracing import EpisodeContext
@@ -99,20 +99,6 @@ class _Worker:
     @property
     def live(self) -> bool:
         return self.state.phase == Phase.UP and self.lost is None
-
-
-@dataclass(frozen=True)
-class _BoundRunner:
-    pool: RayWorkerPool
-    agent_kwargs: dict[str, Any]
-
-    async def call(
-        self, task: Any, ctx: EpisodeContext, *, timeout_s: float
-    ) -> tuple[Any, str | None]:
-        return await self.pool.call(task, ctx, timeout_s=timeout_s, agent_kwargs=self.agent_kwargs)
-
-    async def close(self) -> None:
-        """The pool outlives its controllers: whoever started it closes it."""
 
 
 class RayWorkerPool:
