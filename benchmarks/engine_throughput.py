@@ -291,13 +291,18 @@ def check(device: str, fused: bool | None = None) -> dict:
     }
 
 
-def profile_step(model, args, rows: int) -> dict:
-    """Where one decode step's time goes at ``rows`` rows: forward, sampling, host work."""
+def profile_step(
+    model, args, rows: int, fused: bool | None = None, flash_decode: bool = False
+) -> dict:
+    """Where one decode step's time goes at ``rows`` rows: forward, sampling, host work; with
+    ``args.kernels``, the eager step's kernels by device time."""
     from areal_sdk.backends.embedded.model_runner import ModelRunner
     from areal_sdk.backends.embedded.sampler import SamplingBatch, sample
 
     max_len = args.prompt_len + args.new_tokens + 8
-    runner = ModelRunner(model, num_slots=rows, max_len=max_len)
+    runner = ModelRunner(
+        model, num_slots=rows, max_len=max_len, fused_decoder=fused, flash_decode=flash_decode
+    )
     runner.capture_graphs()
     slots, pos, toks = (
         list(range(rows)),
@@ -319,15 +324,43 @@ def profile_step(model, args, rows: int) -> dict:
     batch = params()
     out = {
         "variant": "profile",
+        "fused_decoder": runner.fused is not None,
+        "flash_decode": runner.flash_decode,
+        "cuda_graphs": len(runner._graphs),
+        "graph_error": runner.graph_error,
         "rows": rows,
         "decode_forward_ms": round(timed(lambda: runner.decode(slots, pos, toks)), 3),
         "sample_ms": round(timed(lambda: sample(logits, batch)), 3),
         "sampling_params_build_ms": round(timed(params), 3),
         "tolist_ms": round(timed(lambda: sample(logits, batch).tokens.tolist()), 3),
     }
+    if args.kernels and args.device.startswith("cuda"):
+        out["kernels"] = kernel_table(lambda: runner.decode(slots, pos, toks), runner)
     runner.drop_graphs()
     runner.release_model()
     return out
+
+
+def kernel_table(step, runner, top: int = 12) -> list[str]:
+    """The eager decode step's kernels by total device time (graphs hide them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, runner._graph_buckets = runner._graph_buckets, []
+    try:
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+    finally:
+        runner._graph_buckets = graphs
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / 5
+    rows = [f"total {total / 1000:.3f} ms a step, {sum(e.count for e in events) // 5} kernels"]
+    for e in events[:top]:
+        rows.append(f"{e.device_time_total / 5000:7.3f} ms {e.count // 5:4d}x {e.key[:90]}")
+    return rows
 
 
 def bench_weight_update(model) -> list[dict]:
@@ -389,6 +422,9 @@ def main() -> None:
     parser.add_argument("--hf-cb-tokens", type=int, default=64)
     parser.add_argument("--weight-update", action="store_true")
     parser.add_argument("--profile", action="store_true", help="time the parts of a decode step")
+    parser.add_argument(
+        "--kernels", action="store_true", help="--profile: also the decode step's kernel table"
+    )
     parser.add_argument(
         "--eager-too", action="store_true", help="also the top level without graphs"
     )
@@ -472,6 +508,12 @@ def main() -> None:
         part(bench_engine, model, args, levels[-1], packed=False)
     if args.profile and levels:
         part(profile_step, model, args, levels[-1])
+        if args.flash_decode_too:
+            part(profile_step, model, args, levels[-1], flash_decode=True)
+        if args.fused_too:
+            part(profile_step, model, args, levels[-1], fused=True)
+        if args.fused_too and args.flash_decode_too:
+            part(profile_step, model, args, levels[-1], fused=True, flash_decode=True)
     if args.weight_update:
         part(bench_weight_update, model)
     batches = [int(x) for x in args.hf_batch.split(",") if x]

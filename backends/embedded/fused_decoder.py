@@ -23,7 +23,7 @@ model runs its transformers modules. Outputs equal the HF forward's to float rou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -113,9 +113,7 @@ class FusedDecoder:
             # On a GPU each of these is one generated kernel instead of 3-9 (a decode step is
             # ~10 kernels a layer instead of ~40; at a few microseconds each, the count is the
             # cost). Dynamic shapes: one compile serves every batch and prefill size.
-            self._add_rms_norm = torch.compile(_add_rms_norm, dynamic=True, fullgraph=True)
-            self._silu_mul = torch.compile(_silu_mul, dynamic=True, fullgraph=True)
-            self._rope = torch.compile(_rope, dynamic=True, fullgraph=True)
+            self._add_rms_norm, self._silu_mul, self._rope = _compiled_parts()
         self.stacks = [f for layer in self.layers for f in (layer.qkv, layer.gate_up)]
         self._by_name = CopiesByName(
             model,
@@ -230,6 +228,57 @@ def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary embedding of ``[rows, tokens, heads, dim]`` with ``[rows, tokens, dim]``
     cos/sin, broadcast over the heads (the queries' and keys' together)."""
     return qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
+
+
+def _compiled_parts() -> tuple[Callable[..., torch.Tensor], ...]:
+    """The norm, SiLU and rotary parts compiled for a GPU, with the signatures of the torch
+    versions above.
+
+    Each compiled function sees 2-D rows (rows x tokens flattened) and never ``None``: dynamic
+    shapes still specialise a size of 1 and the type of every argument, so on the original
+    shapes the decode widths, the prefill and the first layer's missing residual made more
+    than dynamo's 8 variants a function, and capture failed past them."""
+    norm = torch.compile(_rms_norm_rows, dynamic=True, fullgraph=True)
+    add_norm = torch.compile(_add_rms_norm_rows, dynamic=True, fullgraph=True)
+    silu = torch.compile(_silu_mul, dynamic=True, fullgraph=True)
+    rope = torch.compile(_rope_rows, dynamic=True, fullgraph=True)
+
+    def add_rms_norm(
+        hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        rows = hidden.view(-1, hidden.shape[-1])
+        if delta is None:
+            return norm(rows, weight, eps).view(hidden.shape)
+        return add_norm(rows, delta.reshape(rows.shape), weight, eps).view(hidden.shape)
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        out = silu(gate_up.reshape(-1, gate_up.shape[-1]))
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+    def rope_parts(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows = qk.view(-1, *qk.shape[-2:])
+        dim = cos.shape[-1]
+        return rope(rows, cos.reshape(-1, dim), sin.reshape(-1, dim)).view(qk.shape)
+
+    return add_rms_norm, silu_mul, rope_parts
+
+
+def _rms_norm_rows(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(hidden.dtype)
+
+
+def _add_rms_norm_rows(
+    hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    hidden.add_(delta)
+    return _rms_norm_rows(hidden, weight, eps)
+
+
+def _rope_rows(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``_rope`` over ``[rows, heads, dim]`` with ``[rows, dim]`` cos/sin."""
+    return qk * cos.unsqueeze(1) + _rotate_half(qk) * sin.unsqueeze(1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -393,7 +393,7 @@ class ModelRunner:
                 graph = _DecodeGraph(self, rows, kv_len, self._graph_pool)
                 self._graphs[rows, kv_len] = graph
             except Exception as exc:  # a model whose forward cannot be captured runs eagerly
-                log.warning("CUDA graph capture failed (%r); decoding eagerly", exc)
+                log.warning("CUDA graph capture failed (%r); decoding eagerly", exc, exc_info=True)
                 self.graph_error = repr(exc)
                 self._graph_buckets = []
                 self._graphs.clear()
