@@ -302,12 +302,21 @@ class AsyncTrainer:
         # As configured, else what the backend chose for its device.
         return self.cfg.train.micro_batch_tokens or self.backend.micro_batch_tokens
 
+    @property
+    def _share_prefixes(self) -> bool:
+        train = self.cfg.train
+        if train.share_prefixes is not None:
+            return train.share_prefixes
+        return train.attn_implementation == "varlen"
+
     def _train_on(self, groups: list[Group], step: int) -> dict[str, float]:
         """The blocking part of a step (runs in a worker thread)."""
         episodes = [e for g in groups for e in g.ok]
         samples, merge_stats = build_batch_samples(episodes)
         advantages = sample_advantages(samples, self.cfg.algorithm.advantage)
-        (micro_batches,) = pack_samples(samples, advantages, self._micro_batch_tokens)
+        (micro_batches,) = pack_samples(
+            samples, advantages, self._micro_batch_tokens, share_prefixes=self._share_prefixes
+        )
         # The proximal policy is the weights at the start of this update. The step makes one
         # optimizer update, so the update's own forward computes them; the loss takes its
         # detached logprobs unless a separate pass filled them in.

@@ -263,7 +263,7 @@ class DeepSpeedBackend(TrainBackend):
         self, batch: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mb = batch.to(self.device)
-        return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, with_entropy)
+        return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, with_entropy, mb.parents)
 
     @torch.no_grad()
     def forward_logprobs(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
@@ -292,7 +292,9 @@ class DeepSpeedBackend(TrainBackend):
             share = weight / total
             self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
             mb = batch.to(self.device)
-            logprobs, entropy = self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, True)
+            logprobs, entropy = self.engine(
+                mb.input_ids, mb.position_ids, mb.cu_seqlens, True, mb.parents
+            )
             loss, metrics = loss_fn(logprobs.float(), entropy, mb)
             self.engine.backward(loss * (share * world), scale_wrt_gas=False)
             self.engine.step()

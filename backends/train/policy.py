@@ -96,12 +96,15 @@ class PackedPolicy(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         with_entropy: bool = True,
+        parents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs ``[N]`` (and entropy ``[N]``), value t for token t given tokens < t.
 
         Each sequence's first token has no prediction inside the row: it gets 0.
+        ``parents`` (``MicroBatch.parents``): sequences that continue a shared prefix in the
+        row; needs ``varlen`` attention.
         """
-        hidden = self._hidden_states(input_ids, position_ids, cu_seqlens)
+        hidden = self._hidden_states(input_ids, position_ids, cu_seqlens, parents)
         # Row t-1 predicts token t. The last row (predicting past the end) is computed and
         # dropped, so even a one-token padding micro-batch runs the head and gives every
         # parameter a (zero) gradient: ranks of ZeRO-2/3 must all reduce the same gradients.
@@ -121,7 +124,11 @@ class PackedPolicy(nn.Module):
         return logprobs, entropy
 
     def _hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        parents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[N, H]`` of the packed row.
 
@@ -137,18 +144,27 @@ class PackedPolicy(nn.Module):
         ``position_ids``; flash-attention 2 reads them directly).
         """
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if parents is not None and not self.varlen_attention:
+            raise ValueError(
+                "a micro-batch with shared prefixes needs train.attn_implementation: varlen"
+            )
         if self.varlen_attention:
             sizes = lengths.tolist()  # one host sync per micro-batch, not per layer
+            prefix = None if parents is None else varlen_attention.prefix_keys(cu_seqlens, parents)
+            padded = None
+            if prefix is None:
+                padded = varlen_attention.padded_layout(cu_seqlens, sizes, self.varlen_kernel)
             return self.policy.base_model(
                 input_ids=input_ids[None],
                 position_ids=position_ids[None],
                 attention_mask=None,
                 use_cache=False,
                 cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens if prefix is None else prefix.cu_seqlens_k,
                 max_length_q=max(sizes),
-                max_length_k=max(sizes),
-                varlen_padded=varlen_attention.padded_layout(cu_seqlens, sizes, self.varlen_kernel),
+                max_length_k=max(sizes) if prefix is None else prefix.max_len_k,
+                varlen_padded=padded,
+                varlen_prefix_index=None if prefix is None else prefix.index,
             ).last_hidden_state[0]
         if not self.padded_attention or lengths.numel() <= 1:
             return self.policy.base_model(

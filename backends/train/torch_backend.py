@@ -197,7 +197,9 @@ class TorchBackend(TrainBackend):
         self, batch: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._autocast(), self._keep_weights():
-            return self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, with_entropy)
+            return self.model(
+                batch.input_ids, batch.position_ids, batch.cu_seqlens, with_entropy, batch.parents
+            )
 
     @torch.no_grad()
     def forward_logprobs(self, batches: list[MicroBatch]) -> list[torch.Tensor]:

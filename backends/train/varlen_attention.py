@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -162,26 +163,78 @@ def padded_cudnn(
     return out if index is None else out.index_select(0, index)
 
 
+@dataclass(frozen=True)
+class PrefixKeys:
+    """Which keys each sequence of a packed row attends over when some continue a shared
+    prefix held once in the row (``packing``'s ``share_prefixes``): its prefix's, then its own.
+
+    ``index`` gathers them from the row's keys, one run per sequence, bounded by
+    ``cu_seqlens_k``; causal attention aligned at the end (a sequence's last query sees every
+    one of its keys) masks the rest, as flash-attention aligns queries shorter than keys."""
+
+    index: torch.Tensor  # [K] int64, on the row's device
+    cu_seqlens_k: torch.Tensor  # [S+1] int32, on the row's device
+    max_len_k: int
+
+
+def prefix_keys(cu_seqlens: torch.Tensor, parents: torch.Tensor) -> PrefixKeys:
+    """The ``PrefixKeys`` of a row with sequence boundaries ``cu_seqlens`` whose sequence
+    ``i`` continues sequence ``parents[i]`` (-1: none)."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    runs: list[torch.Tensor] = []
+    bounds_k = [0]
+    for i, parent in enumerate(parents.tolist()):
+        own = bounds[i + 1] - bounds[i]
+        if parent >= 0:
+            runs.append(torch.arange(bounds[parent], bounds[parent + 1]))
+            own += bounds[parent + 1] - bounds[parent]
+        runs.append(torch.arange(bounds[i], bounds[i + 1]))
+        bounds_k.append(bounds_k[-1] + own)
+    device = cu_seqlens.device
+    index = torch.cat(runs).to(device)
+    lengths = [b - a for a, b in itertools.pairwise(bounds_k)]
+    return PrefixKeys(
+        index=index,
+        cu_seqlens_k=torch.tensor(bounds_k, dtype=torch.int32, device=device),
+        max_len_k=max(lengths),
+    )
+
+
 def _per_sequence(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     bounds: list[int],
     scale: float | None,
+    bounds_k: list[int] | None = None,
 ) -> torch.Tensor:
-    """``[1, H, N, D]`` inputs, causal SDPA on each sequence's slice; ``[N, H, D]`` out."""
+    """``[1, H, N, D]`` inputs, causal SDPA on each sequence's slice; ``[N, H, D]`` out.
+
+    With ``bounds_k`` (``PrefixKeys.cu_seqlens_k``, keys already gathered) a sequence's keys may be more
+    than its queries: causal aligned at the end."""
     gqa = query.shape[1] != key.shape[1]
-    parts = [
-        F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=gqa,
+    bounds_k = bounds if bounds_k is None else bounds_k
+    parts = []
+    for (a, b), (ka, kb) in zip(
+        itertools.pairwise(bounds), itertools.pairwise(bounds_k), strict=True
+    ):
+        q_len, k_len = b - a, kb - ka
+        mask = None
+        if k_len != q_len:
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(
+                k_len - q_len
+            )
+        parts.append(
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, ka:kb],
+                value[:, :, ka:kb],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
         )
-        for a, b in itertools.pairwise(bounds)
-    ]
     return torch.cat(parts, dim=2)[0].transpose(0, 1)
 
 
@@ -199,7 +252,9 @@ def varlen_attention_forward(
 
     Needs ``cu_seq_lens_q`` (and ``max_length_q``) for a packed row (batch 1); without
     them the row is one sequence. With ``varlen_padded`` (from ``padded_layout``) the row
-    runs through cuDNN as a padded batch instead of flash varlen.
+    runs through cuDNN as a padded batch instead of flash varlen; with
+    ``varlen_prefix_index``, ``cu_seq_lens_k`` and ``max_length_k`` (a ``PrefixKeys``)
+    sequences attend over their shared prefix's keys too.
     """
     if dropout:
         raise ValueError("varlen attention does not apply dropout")
@@ -207,6 +262,9 @@ def varlen_attention_forward(
         raise ValueError("varlen attention takes sequence boundaries, not a mask")
     batch, _, n, _ = query.shape
     cu_seqlens = kwargs.get("cu_seq_lens_q")
+    # From ``PrefixKeys``, as plain keywords: tensors and ints are what torch.compile traces
+    # without a recompile per micro-batch.
+    prefix_index: torch.Tensor | None = kwargs.get("varlen_prefix_index")
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(
             query,
@@ -230,7 +288,19 @@ def varlen_attention_forward(
             max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
         padded = kwargs.get("varlen_padded")
-        if padded is not None:
+        if prefix_index is not None:
+            k, v = k.index_select(0, prefix_index), v.index_select(0, prefix_index)
+            out = flash_varlen(
+                q,
+                k,
+                v,
+                cu_seqlens,
+                int(max_len),
+                scaling,
+                cu_seqlens_k=kwargs["cu_seq_lens_k"],
+                max_len_k=int(kwargs["max_length_k"]),
+            )
+        elif padded is not None:
             out = padded_cudnn(q, k, v, *padded, scaling)
         else:
             out = flash_varlen(q, k, v, cu_seqlens, int(max_len), scaling)
@@ -238,7 +308,12 @@ def varlen_attention_forward(
         bounds = [int(b) for b in cu_seqlens.tolist()]
         if bounds[0] != 0 or bounds[-1] != n:
             raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row of {n} tokens")
-        out = _per_sequence(query, key, value, bounds, scaling)
+        bounds_k = None
+        if prefix_index is not None:
+            key = key.index_select(2, prefix_index)
+            value = value.index_select(2, prefix_index)
+            bounds_k = [int(b) for b in kwargs["cu_seq_lens_k"].tolist()]
+        out = _per_sequence(query, key, value, bounds, scaling, bounds_k)
     return out.unsqueeze(0), None
 
 
