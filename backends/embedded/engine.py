@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
+from areal_sdk.backends.embedded.prefix_reuse import HeldPrefixes, best_source
 from areal_sdk.backends.embedded.request import Request, StreamChunk
 from areal_sdk.backends.embedded.sampler import SamplingBatch, sample
 
@@ -86,6 +87,7 @@ class EngineConfig:
     fused_decoder: bool | None = None  # None: on for CPU where supported (fused_decoder.py)
     flash_decode: bool = False  # CUDA, half precision: flash decode attention (kv_cache.py)
     recompute_kv_on_update: bool = True
+    reuse_prefixes: bool = True  # copy a prompt's cached prefix from another slot (prefix_reuse.py)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class EngineStats:
     prefill_steps: int = 0
     prefill_tokens: int = 0
     sampled_tokens: int = 0
+    reused_tokens: int = 0  # prompt positions copied from another slot instead of prefilled
 
 
 class EmbeddedEngine(InferenceBackend):
@@ -155,6 +158,9 @@ class EmbeddedEngine(InferenceBackend):
         self._active: list[Request] = []
         self._by_rid: dict[str, Request] = {}
         self._free_slots = list(range(self.config.max_batch_size))
+        # prefix_reuse: what free slots still hold, and the weights epoch of the caches.
+        self._held = HeldPrefixes()
+        self._kv_epoch = 0
         self._paused: PauseMode | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -509,9 +515,12 @@ class EmbeddedEngine(InferenceBackend):
                 # the old ones leave free (areal_sdk.malloc).
                 release_free_memory()
             self._version = version
+            self._kv_epoch += 1
+            self._held.clear()
             if flush:
                 for request in self._active:
                     request.num_computed = 0
+                    request.kv_epoch = self._kv_epoch
             return None
         if kind == "set_version":
             self._version = payload
@@ -519,6 +528,7 @@ class EmbeddedEngine(InferenceBackend):
         if kind == "score":
             return self._score(payload)
         if kind == "flush_cache":
+            self._held.clear()
             return not self._active and not self._waiting
         raise ValueError(f"unknown engine command {kind!r}")
 
@@ -547,8 +557,57 @@ class EmbeddedEngine(InferenceBackend):
 
     def _release(self, request: Request) -> None:
         if request.slot is not None:
+            if self.config.reuse_prefixes and request.kv_epoch == self._kv_epoch:
+                self._held.keep(request.slot, request.tokens[: request.num_computed])
+            else:
+                self._held.drop(request.slot)
             heapq.heappush(self._free_slots, request.slot)
             request.slot = None
+        request.reuse_from = None
+
+    def _admit(self, request: Request) -> None:
+        """Give ``request`` the lowest free slot (it keeps decode rows dense: rows are slots
+        0..B-1) and the longest cached prefix of its tokens there is (prefix_reuse)."""
+        request.slot = heapq.heappop(self._free_slots)
+        request.kv_epoch = self._kv_epoch
+        reuse = None
+        if self.config.reuse_prefixes:
+            # An active request's tokens are computed or will be by its own prefill; a
+            # follower waits for the part it takes (``_ready``).
+            active = (
+                (r, r.tokens)
+                for r in reversed(self._active)
+                if r.reuse_from is None and r.kv_epoch == self._kv_epoch
+            )
+            reuse = best_source(request.tokens, self._held, active)
+        if reuse is not None and reuse.slot is not None:
+            self._copy_prefix(reuse.slot, request, reuse.length)
+        elif reuse is not None:
+            request.reuse_from, request.reuse_len = reuse.source, reuse.length  # type: ignore[assignment]
+        self._held.drop(request.slot)
+        self._active.append(request)
+
+    def _copy_prefix(self, source_slot: int, request: Request, length: int) -> None:
+        assert request.slot is not None
+        if source_slot != request.slot:
+            self.runner.cache.copy_prefix(source_slot, request.slot, length)
+        request.num_computed = length
+        self._stats.reused_tokens += length
+
+    def _ready(self, request: Request) -> bool:
+        """False while ``request`` waits for its prefix source's prefill; copies it once the
+        source's cache covers it, or gives up waiting if the source is gone or stale."""
+        source = request.reuse_from
+        if source is None:
+            return True
+        if source.slot is None or source.kv_epoch != self._kv_epoch:
+            request.reuse_from = None
+            return True
+        if source.num_computed < request.reuse_len:
+            return False
+        self._copy_prefix(source.slot, request, request.reuse_len)
+        request.reuse_from = None
+        return True
 
     def _step_safely(self) -> None:
         started = time.perf_counter()
@@ -568,14 +627,14 @@ class EmbeddedEngine(InferenceBackend):
     def _step(self) -> None:
         # Admission: lowest free slot first keeps decode rows dense (rows are slots 0..B-1).
         while self._waiting and self._free_slots:
-            request = self._waiting.popleft()
-            request.slot = heapq.heappop(self._free_slots)
-            self._active.append(request)
+            self._admit(self._waiting.popleft())
         version = self._version
         budget = self.prefill_chunk
         prefill: list[tuple[Request, RowInput, bool]] = []
         decode: list[Request] = []
         for request in self._active:
+            if not self._ready(request):
+                continue
             remaining = request.remaining
             if remaining == 1:
                 decode.append(request)

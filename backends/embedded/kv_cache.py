@@ -70,6 +70,11 @@ class SlotKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Slot ``target`` takes slot ``source``'s first ``length`` positions (prefix_reuse)."""
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :length].copy_(cache[source, :, :length])
+
 
 @dataclass
 class PackedRows:

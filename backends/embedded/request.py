@@ -41,6 +41,11 @@ class Request:
     slot: int | None = None
     # Tokens of prompt_ids + output_ids whose keys/values are in the slot's cache.
     num_computed: int = 0
+    # The weights epoch of those keys/values (prefix_reuse: only the current one is reused).
+    kv_epoch: int = 0
+    # Waiting for an active request's prefill to cover this many of its tokens, to copy them.
+    reuse_from: Request | None = None
+    reuse_len: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     retractions: int = 0
@@ -59,6 +64,11 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """``prompt_ids`` then ``output_ids``."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)

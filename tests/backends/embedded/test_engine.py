@@ -156,7 +156,7 @@ async def test_long_prompt_is_chunked_and_queued(tiny_model_dir) -> None:
 async def test_stats_count_the_steps_rows_and_tokens_of_a_batch(tiny_model_dir) -> None:
     """The loop's counters tell what it did: every sampled token, the prompt tokens fed in
     chunks, and decode batches no larger than the KV slots."""
-    eng = make_engine(tiny_model_dir, max_batch_size=4, prefill_chunk=16)
+    eng = make_engine(tiny_model_dir, max_batch_size=4, prefill_chunk=16, reuse_prefixes=False)
     try:
         before = eng.stats()
         batch = [p for p in prompts(eng, 6) if len(p) > 1][:6]
@@ -164,7 +164,7 @@ async def test_stats_count_the_steps_rows_and_tokens_of_a_batch(tiny_model_dir) 
         after = eng.stats()
         sampled = after.sampled_tokens - before.sampled_tokens
         assert sampled == sum(len(o.output_ids) for o in outs) == len(batch) * 8
-        # The prompt tokens (none cached between requests) all went through prefill.
+        # The prompt tokens (no prefix reused) all went through prefill.
         assert after.prefill_tokens - before.prefill_tokens == sum(len(p) for p in batch)
         decode_steps = after.decode_steps - before.decode_steps
         decode_rows = after.decode_rows - before.decode_rows
