@@ -47,7 +47,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from areal_sdk.launcher import LaunchError
 from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line, free_port
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend
-from areal_sdk.train_process import TrainProcessError, _Child
+from areal_sdk.train_process import TrainProcessError
 
 if TYPE_CHECKING:
     from areal_sdk.config import Config
@@ -67,6 +67,10 @@ class TrainGroupError(TrainProcessError):
     """A trainer rank died or its node left; or the group could not start or go on."""
 
 
+# What a rank's actor forwards to its backend as it is.
+_FORWARDED = frozenset({"forward_logprobs", "train_step", "save", "load", "save_adapter"})
+
+
 @ray.remote(concurrency_groups={"watch": 1})
 class TrainRankActor:
     """One trainer rank: the configured backend, one call at a time; ``lifeline`` answers
@@ -81,7 +85,9 @@ class TrainRankActor:
         logging.basicConfig(
             stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
         )
-        self.child: _Child | None = None
+        self.backend: TrainBackend | None = None
+        self.sync_dtype: torch.dtype | None = None
+        self.buckets: Iterator[NamedTensors] | None = None
         self.closed = threading.Event()
 
     def where(self) -> dict[str, Any]:
@@ -103,36 +109,58 @@ class TrainRankActor:
         from areal_sdk.plugin_host import get_host
 
         cfg = Config.model_validate(config)
-        backend = get_host().train_backend(cfg.train.backend)(cfg)
-        self.child = _Child(None, backend, sync_dtype(cfg.weights.dtype))  # type: ignore[arg-type]
-        return self.child.state()
+        self.backend = get_host().train_backend(cfg.train.backend)(cfg)
+        self.sync_dtype = sync_dtype(cfg.weights.dtype)
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
+        b = self.backend
+        assert b is not None, "start first"
+        return {
+            "step": b.step,
+            "initial_version": b.initial_version,
+            "device": str(b.device),
+            "trains_adapter": b.trains_adapter,
+            "micro_batch_tokens": b.micro_batch_tokens,
+        }
 
     def call(self, op: str, args: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
         """``op`` on this rank's backend: its result and the backend's state after."""
-        child = self.child
-        assert child is not None, "start first"
-        result = self._next_bucket() if op == "sync_next" else child.handle(op, args)
-        return result, child.state()
+        b = self.backend
+        assert b is not None, "start first"
+        result: Any = None
+        if op in _FORWARDED:
+            result = getattr(b, op)(*args)
+        elif op == "set_initial_version":
+            (b.initial_version,) = args
+        elif op == "sync_begin":
+            self.buckets = iter(b.state_for_sync(*args))
+        elif op == "sync_next":
+            result = self._next_bucket(b)
+        elif op == "sync_end":
+            self.buckets = None
+        else:
+            raise ValueError(f"unknown trainer rank request {op!r}")
+        return result, self.state()
 
-    def _next_bucket(self) -> tuple[bool, NamedTensors | None]:
+    def _next_bucket(self, b: TrainBackend) -> tuple[bool, NamedTensors | None]:
         """(whether there was a bucket, rank 0's copy of it): every rank gathers."""
         from areal_sdk.backends.weight_sync.base import cast_bucket
 
-        child = self.child
-        assert child is not None and child._buckets is not None, "sync_next without sync_begin"
-        bucket = next(child._buckets, None)
+        if self.buckets is None:
+            raise RuntimeError("sync_next without sync_begin")
+        bucket = next(self.buckets, None)
         if bucket is None:
-            child._buckets = None
+            self.buckets = None
             return False, None
-        if child.backend.rank != 0:
+        if b.rank != 0:
             return True, None
-        cast = cast_bucket(bucket, child.sync_dtype)
-        return True, [(name, t.detach().to("cpu", copy=True)) for name, t in cast]
+        return True, [(n, t.detach().cpu()) for n, t in cast_bucket(bucket, self.sync_dtype)]
 
     def close(self) -> None:
         try:
-            if self.child is not None:
-                self.child.backend.close()
+            if self.backend is not None:
+                self.backend.close()
                 import torch.distributed as dist
 
                 if dist.is_initialized():
