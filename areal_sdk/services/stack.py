@@ -64,14 +64,12 @@ class TrainerWatch:
         while True:
             if failure is not None:
                 why = await asyncio.to_thread(failure)
-                if why is not None:
-                    self.state.enter(Phase.FAILED, why)
-                    raise ServiceFailed("trainer", f"the trainer died: {why}; {resume_hint()}")
-                await asyncio.sleep(TRAINER_POLL_S)
-                continue
-            code = exitcode()
-            if code is not None:
+                error = None if why is None else f"the trainer died: {why}"
+            elif (code := exitcode()) is not None:
                 error = f"the trainer process (pid {self.state.pid}) died with exit code {code}"
+            else:
+                error = None
+            if error is not None:
                 self.state.enter(Phase.FAILED, error)
                 raise ServiceFailed("trainer", f"{error}; {resume_hint()}")
             await asyncio.sleep(TRAINER_POLL_S)

@@ -168,6 +168,7 @@ def test_a_killed_rank_stops_the_run_naming_it(run_config, cluster) -> None:
     errors = [line for when, line in run.lines if line.startswith("error:")]
     assert len(errors) == 1, run.output
     assert "trainer rank 1 on node" in errors[0] and "--resume" in errors[0], errors
+    assert "Traceback" not in run.output
     run.line_after(killed_at, r"^error:")  # found within its bound, never a hang
 
 
