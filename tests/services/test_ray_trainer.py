@@ -179,3 +179,86 @@ def test_several_ranks_need_deepspeed() -> None:
         load_config(None, ["ray.trainer.ranks=0", "train.backend=deepspeed"])
     cfg = load_config(None, ["ray.trainer.ranks=2", "train.backend=deepspeed"])
     assert cfg.ray.trainer.ranks == 2
+
+
+SEEDED_AGENT = """
+import zlib
+
+import areal_sdk as areal
+from openai import AsyncOpenAI
+
+
+@areal.trace
+async def solve(task):
+    # A seed per task and sample: the same episode samples the same tokens in any placement.
+    sample = int(areal.current_episode().episode.metadata["sample"])
+    seed = zlib.crc32(str(task["id"]).encode()) * 16 + sample
+    reply = await AsyncOpenAI().chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": task["question"]}],
+        max_tokens=6,
+        seed=seed,
+    )
+    text = reply.choices[0].message.content or ""
+    return float(len(text) % 3 == 0)
+"""
+
+
+def _store_contents(run_dir: Path) -> list[tuple[Any, ...]]:
+    """What each step trained, placement-free: task, sample, tokens, versions, reward."""
+    with TrajectoryStore(run_dir) as store:
+        consumed = store.consumed_steps()
+        episodes = list(store.iter())
+    return sorted(
+        (
+            consumed.get(e.id),
+            e.task_id,
+            int(e.metadata["sample"]),
+            e.status.value,
+            e.reward,
+            tuple(
+                (tuple(t.prompt_ids), tuple(t.completion_ids), tuple(t.versions)) for t in e.turns
+            ),
+        )
+        for e in episodes
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_and_processes_store_the_same_episodes_for_a_fixed_seed(
+    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tests.training.conftest import write_run
+
+    synchronous = {
+        "rollout": {"workers": 1, "concurrency": 1, "max_staleness": 0, "timeout_s": 60},
+        "inference": {"servers": 1},
+        "eval": {"before": False, "after": False},
+    }
+    contents = {}
+    for placement in ("processes", "ray"):
+        where = tmp_path / placement
+        where.mkdir()
+        sections: dict[str, dict] = {
+            **synchronous,
+            "run": {"dir": str(where / "run"), "steps": 3, "placement": placement, "seed": 7},
+        }
+        if placement == "ray":
+            sections["ray"] = {
+                "address": cluster.address,
+                "engine": {"num_cpus": 1, "resources": {"engine_slot": 1}},
+                "worker": {"num_cpus": 0.5, "resources": {"worker_slot": 1}},
+                "trainer": {"num_cpus": 1, "resources": {"trainer_slot": 1}},
+            }
+        config = write_run(where, tiny_model_dir, **sections)
+        (where / "toy_agent.py").write_text(SEEDED_AGENT)
+        run = LiveRun(config)
+        assert run.finish() == 0, run.output
+        contents[placement] = _store_contents(where / "run")
+    trained = contents["ray"]
+    assert all(turns and turns[0][1] for *_, turns in trained)  # every episode sampled tokens
+    assert [c[0] for c in trained] == [0] * 4 + [1] * 4 + [2] * 4
+    # Synchronous: step k trains episodes sampled by the weights of step k alone.
+    assert all(set(v for *_, versions in c[5] for v in versions) == {c[0]} for c in trained)
+    assert contents["ray"] == contents["processes"]
