@@ -154,8 +154,12 @@ def test_a_ray_run_trains_with_two_ranks_and_serves_their_weights(run_config, cl
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_rank_stops_the_run_naming_it(run_config, cluster) -> None:
-    run = LiveRun(_run_config(run_config, cluster, steps=200, eval={"after": False}))
+def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues(run_config, cluster) -> None:
+    steps = 10
+    config = _run_config(
+        run_config, cluster, steps=steps, eval={"after": False}, run={"checkpoint_every": 1}
+    )
+    run = LiveRun(config)
     run.wait_for("the first step", lambda: run.steps() >= 1)
     (pid,) = [
         int(m.group(3))
@@ -170,6 +174,10 @@ def test_a_killed_rank_stops_the_run_naming_it(run_config, cluster) -> None:
     assert "trainer rank 1 on node" in errors[0] and "--resume" in errors[0], errors
     assert "Traceback" not in run.output
     run.line_after(killed_at, r"^error:")  # found within its bound, never a hang
+    # The two ranks' ZeRO-3 checkpoint on the shared run directory resumes on a new group.
+    resumed = LiveRun(config, "--resume")
+    assert resumed.finish() == 0, resumed.output
+    _assert_trained_once(resumed.run_dir, steps)
 
 
 def test_several_ranks_need_deepspeed() -> None:
