@@ -185,12 +185,15 @@ def trainer_resources(cfg: Config) -> dict[str, float]:
 
 def _portable(cfg: Config) -> dict[str, Any]:
     """The config as the actors read it: paths absolute (an actor's working directory is
-    not the run's; the run directory and the model are on a shared path)."""
+    not the run's; the run directory and the model are on a shared path), and a ``cuda:N``
+    device ``cuda`` where Ray gives each rank its cards (they are the ones it sees)."""
     data = cfg.model_dump(mode="json")
     for section, key in (("model", "path"), ("model", "tokenizer"), ("run", "dir")):
         value = data[section][key]
         if value and (section == "run" or Path(value).exists()):
             data[section][key] = str(Path(value).resolve())
+    if trainer_resources(cfg).get("GPU") and data["train"]["device"].startswith("cuda:"):
+        data["train"]["device"] = "cuda"
     return data
 
 

@@ -270,3 +270,13 @@ def test_ray_and_processes_store_the_same_episodes_for_a_fixed_seed(
     # Synchronous: step k trains episodes sampled by the weights of step k alone.
     assert all(set(v for *_, versions in c[5] for v in versions) == {c[0]} for c in trained)
     assert contents["ray"] == contents["processes"]
+
+
+def test_each_rank_asks_ray_for_a_card_on_cuda_and_sees_it_as_its_own() -> None:
+    from areal_sdk.services.ray_trainer import _portable, trainer_resources
+
+    on_cuda = load_config(None, ["train.device=cuda:1", "ray.trainer.num_cpus=2"])
+    assert trainer_resources(on_cuda) == {"CPU": 2.0, "GPU": 1.0}
+    # Ray shows a rank only the card it gave it.
+    assert _portable(on_cuda)["train"]["device"] == "cuda"
+    assert trainer_resources(load_config(None, [])) == {"CPU": 1.0}
