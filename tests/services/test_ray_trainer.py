@@ -155,7 +155,7 @@ def test_a_ray_run_trains_with_two_ranks_and_serves_their_weights(run_config, cl
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues(run_config, cluster) -> None:
-    steps = 10
+    steps = 5
     config = _run_config(
         run_config, cluster, steps=steps, eval={"after": False}, run={"checkpoint_every": 1}
     )
