@@ -2,9 +2,10 @@
 group (gloo on CPU, NCCL on CUDA), seen by the training loop as one ``TrainBackend``.
 
 ```
- run process ── RayTrainGroup ──► rank 0 actor ─┐  one torch.distributed group:
-   training loop, weight pushes ──► rank 1 actor ─┤  DeepSpeed ZeRO 0-3 collectives
-                                ──► rank N actor ─┘  (every call runs on every rank)
+ run process (training loop, weight pushes)
+   RayTrainGroup ──► rank 0 actor ─┐  one torch.distributed group:
+                 ──► rank 1 actor ─┤  DeepSpeed ZeRO 0-3 collectives
+                 ──► rank N actor ─┘  (every call runs on every rank)
 ```
 
 Each rank asks for ``ray.trainer``'s resources (a bundle of its own in a placement group
