@@ -1,7 +1,9 @@
 """Trainer ranks as Ray actors on a local multi-node Ray cluster (one machine, CPU, gloo, the
 tiny model): two DeepSpeed ZeRO-3 ranks on two nodes train as the single-process torch
 backend does; a real ``areal-sdk train`` with two ranks trains every step once and serves
-the pushed weights; a rank's actor killed mid-run stops the run with one ``error:`` line."""
+the pushed weights; a rank's actor killed mid-run stops the run with one ``error:`` line, and
+``--resume`` finishes it; a seeded synchronous run stores the same episodes under ``ray`` as
+under ``processes``."""
 
 from __future__ import annotations
 
