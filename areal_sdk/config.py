@@ -450,10 +450,24 @@ class RayResources(Section):
         return value
 
 
+class RayTrainerResources(RayResources):
+    """What each trainer rank asks of the Ray cluster, and how many ranks there are."""
+
+    num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="per rank; default: 1 when train.device is CUDA, else 0 (ranks of one "
+        "group need a card each: NCCL refuses two ranks on one card)",
+    )
+    ranks: int = Field(
+        1, ge=1, description="trainer ranks, each an actor, together one torch.distributed group"
+    )
+
+
 class RayConfig(Section):
     """``run.placement: ray``: the cluster, and where each kind of service goes.
 
-    Engine servers and rollout workers are Ray actors; the gateway and the trainer run
+    Engine servers, rollout workers and trainer ranks are Ray actors; the gateway runs
     beside the run's own process (docs/cluster.md)."""
 
     address: str | None = Field(
@@ -469,6 +483,7 @@ class RayConfig(Section):
     )
     engine: RayResources = Field(default_factory=RayResources)
     worker: RayResources = Field(default_factory=RayResources)
+    trainer: RayTrainerResources = Field(default_factory=RayTrainerResources)
 
     @model_validator(mode="after")
     def _bundles_not_empty(self) -> RayConfig:
@@ -497,6 +512,16 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    @model_validator(mode="after")
+    def _trainer_ranks_need_deepspeed(self) -> Config:
+        ranks = self.ray.trainer.ranks
+        if ranks > 1 and self.train.backend != "deepspeed":
+            raise ValueError(
+                f"ray.trainer.ranks={ranks} runs one model over several ranks, which "
+                f"train.backend={self.train.backend} cannot: set train.backend=deepspeed"
+            )
+        return self
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -524,7 +549,9 @@ def _format_errors(exc: ValidationError, origin: str) -> str:
     for err in exc.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc) or "(top level)"
-        if err["type"] == "extra_forbidden":
+        if not loc:  # a check across sections: its message names the keys
+            lines.append(err["msg"].removeprefix("Value error, "))
+        elif err["type"] == "extra_forbidden":
             allowed = _allowed_keys(Config, loc[:-1])
             where = ".".join(str(p) for p in loc[:-1]) or "the top level"
             lines.append(f"{key}: unknown key; allowed in {where}: {', '.join(allowed)}")

@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -364,8 +364,17 @@ def runs_apart(cfg: Config) -> bool:
     return cfg.train.device.startswith("cuda") and single_rank
 
 
-def build_train_backend(cfg: Config, host: Any) -> TrainBackend:
-    """``cfg.train.backend`` from ``host``, in a child process where ``runs_apart``."""
+def build_train_backend(
+    cfg: Config, host: Any, on_event: Callable[[str], None] | None = None
+) -> TrainBackend:
+    """``cfg.train.backend`` from ``host``: as Ray actors under ``run.placement: ray``, in
+    a child process where ``runs_apart``."""
+    if cfg.run.placement == "ray":
+        # The run handles SIGINT and SIGTERM itself; read when Ray is imported (ray_stack.py).
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        from areal_sdk.services.ray_trainer import RayTrainGroup
+
+        return RayTrainGroup(cfg, on_event=on_event)
     if runs_apart(cfg):
         return TrainProcess(cfg)
     return host.train_backend(cfg.train.backend)(cfg)  # type: ignore[no-any-return]

@@ -314,9 +314,16 @@ class AsyncTrainer:
         episodes = [e for g in groups for e in g.ok]
         samples, merge_stats = build_batch_samples(episodes)
         advantages = sample_advantages(samples, self.cfg.algorithm.advantage)
-        (micro_batches,) = pack_samples(
-            samples, advantages, self._micro_batch_tokens, share_prefixes=self._share_prefixes
+        # One equal share per trainer rank, rank-major: a group of ranks (RayTrainGroup)
+        # sends each rank its share.
+        shares = pack_samples(
+            samples,
+            advantages,
+            self._micro_batch_tokens,
+            num_ranks=self.backend.world_size,
+            share_prefixes=self._share_prefixes,
         )
+        micro_batches = [mb for share in shares for mb in share]
         # The proximal policy is the weights at the start of this update. The step makes one
         # optimizer update, so the update's own forward computes them; the loss takes its
         # detached logprobs unless a separate pass filled them in.

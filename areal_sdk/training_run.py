@@ -523,7 +523,9 @@ class TrainingRun:
         metrics.log_config(cfg.model_dump(mode="json"))
         result = RunResult(steps=0, version=0, run_dir=self.run_dir)
         self.on_event("loading the train backend")
-        backend: TrainBackend = await in_fresh_thread(build_train_backend, cfg, self.host)
+        backend: TrainBackend = await in_fresh_thread(
+            build_train_backend, cfg, self.host, self.on_event
+        )
         leftovers: list[Leftover] = []
         if self.resume:
             # From the newest checkpoint, or from the start when the run died before its first.

@@ -65,9 +65,8 @@ def for_placement(cfg: Config, placement: Placement) -> Config:
 
 
 def _for_ray(cfg: Config) -> Config:
-    """Engine servers and rollout workers as Ray actors, the trainer a process of its own
-    beside the run; weights reach the servers on other machines as safetensors in the run
-    directory (a shared path)."""
+    """Engine servers, rollout workers and trainer ranks as Ray actors; weights reach the
+    servers on other machines as safetensors in the run directory (a shared path)."""
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:

@@ -111,7 +111,9 @@ class RayPlacement:
         if address is None and not os.environ.get("RAY_ADDRESS") and _recorded_cluster() is None:
             # A cluster of this machine alone: its CPUs are logical, shared by every service
             # as under `processes` (a two-core machine still runs two workers and an engine).
-            asked = engines * self.cfg.ray.engine.num_cpus + workers * self.cfg.ray.worker.num_cpus
+            ray_cfg = self.cfg.ray
+            asked = engines * ray_cfg.engine.num_cpus + workers * ray_cfg.worker.num_cpus
+            asked += ray_cfg.trainer.ranks * ray_cfg.trainer.num_cpus
             local = {
                 "num_cpus": max(os.cpu_count() or 1, math.ceil(asked)),
                 "include_dashboard": False,

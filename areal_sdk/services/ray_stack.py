@@ -4,14 +4,15 @@ supervised as the ``processes`` placement supervises its processes.
 ```
  run process (this machine) ─ tasks ─► rollout worker actors ──HTTP──► gateway process ──► engine server actors
    controller, store, weight pushes,     on any node                  beside the store     on any node, each
-   supervision; TrainProcess (trainer)                                 (this machine)       bound to its node's IP
+   supervision                                                         (this machine)       bound to its node's IP
+   RayTrainGroup ─► trainer rank actors on any node (``ray_trainer.py``, built before the stack)
 ```
 
 The gateway stays beside the run's process: it writes every call to the trajectory store,
-an SQLite file that must stay on one machine's disk. The trainer stays a process of the run
-too (``TrainProcess``). Weights reach the servers as safetensors under the run directory,
-which every node must see at the same path (a shared file system). Everything else is
-``ProcessStack``'s: the same watch loops, restart policy and ``ServiceFailed``.
+an SQLite file that must stay on one machine's disk. Weights reach the servers as
+safetensors under the run directory, which every node must see at the same path (a shared
+file system). Everything else is ``ProcessStack``'s: the same watch loops, restart policy
+and ``ServiceFailed``.
 
 >>> stack = await RayStack(cfg, store, host=host, address=address, run_dir=run_dir,
 ...     search_path=[config_dir]).start()                    # doctest: +SKIP

@@ -57,13 +57,19 @@ class TrainerWatch:
         self.state.enter(Phase.UP)
 
     async def watch(self, *, resume_hint: Callable[[], str]) -> None:
+        failure = getattr(self.backend, "failure", None)  # ranks that name what died
         exitcode = getattr(self.backend, "exitcode", None)
-        if exitcode is None:
+        if failure is None and exitcode is None:
             return  # a trainer in this process lives and dies with it
         while True:
-            code = exitcode()
-            if code is not None:
+            if failure is not None:
+                why = await asyncio.to_thread(failure)
+                error = None if why is None else f"the trainer died: {why}"
+            elif (code := exitcode()) is not None:
                 error = f"the trainer process (pid {self.state.pid}) died with exit code {code}"
+            else:
+                error = None
+            if error is not None:
                 self.state.enter(Phase.FAILED, error)
                 raise ServiceFailed("trainer", f"{error}; {resume_hint()}")
             await asyncio.sleep(TRAINER_POLL_S)

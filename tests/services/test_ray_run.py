@@ -30,12 +30,13 @@ PLACED = re.compile(r"(engine server engine-\d+|rollout worker \d+) (?:starts|ru
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """A head (where rollout workers may go) and two nodes for engine servers, told apart
-    by custom resources; all on this machine."""
+    """A head (where rollout workers and the trainer may go) and two nodes for engine
+    servers, told apart by custom resources; all on this machine."""
     node = {"num_cpus": 2}
+    head = {"worker_slot": 4, "trainer_slot": 1}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={**node, "include_dashboard": False, "resources": {"worker_slot": 4}},
+        head_node_args={**node, "include_dashboard": False, "resources": head},
     )
     try:
         for name in ("a", "b"):
@@ -59,6 +60,7 @@ def _ray_config(run_config: Any, cluster: Cluster, *, steps: int, **sections: di
             "strategy": "SPREAD",  # the two engine servers on two nodes
             "engine": {"num_cpus": 1, "resources": {"engine_slot": 1}},
             "worker": {"num_cpus": 0.5, "resources": {"worker_slot": 1}},
+            "trainer": {"num_cpus": 0.5, "resources": {"trainer_slot": 1}},
         },
         "inference": {"servers": 2},
         "rollout": {"workers": 2, "retries": 1, "timeout_s": 60},
