@@ -153,6 +153,12 @@ class InferenceConfig(Section):
         "false keeps the old ones, which saves a prefill of every running request per push "
         "(the decoupled loss weighs by the logprobs actually sampled with)",
     )
+    reuse_prefixes: bool = Field(
+        True,
+        description="embedded engine: a request copies the cached keys and values of its "
+        "longest prefix another request computed (a group's shared prompt, an agent's earlier "
+        "turns) instead of prefilling them again",
+    )
     sglang_python: str | None = Field(
         None, description="sglang: python of the SGLang environment (default: this one)"
     )

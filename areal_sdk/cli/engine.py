@@ -64,6 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "under the new weights (default: on)",
     )
     parser.add_argument(
+        "--reuse-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="copy a prompt's cached prefix from another request instead of prefilling it "
+        "(default: on)",
+    )
+    parser.add_argument(
         "--weight-version",
         type=int,
         default=0,
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
                     prefill_chunk=args.prefill_chunk,
                     cuda_graphs=args.cuda_graphs,
                     recompute_kv_on_update=args.recompute_kv_on_update,
+                    reuse_prefixes=args.reuse_prefixes,
                 ),
             )
     except (ModelNotFoundError, MaxModelLenError, WeightMismatchError) as exc:

@@ -430,6 +430,8 @@ class EngineFleet:
             cmd.append("--cuda-graphs" if inference.cuda_graphs else "--no-cuda-graphs")
         if not inference.recompute_kv_on_update:
             cmd.append("--no-recompute-kv-on-update")
+        if not inference.reuse_prefixes:
+            cmd.append("--no-reuse-prefixes")
         return cmd
 
     def _launch(self, member: _Server, *, version: int) -> _Server:

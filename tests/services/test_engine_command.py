@@ -28,6 +28,7 @@ def test_engine_servers_get_the_configs_engine_settings(tmp_path: Path) -> None:
             "model.tokenizer=/models/tokenizer",
             "inference.cuda_graphs=false",
             "inference.recompute_kv_on_update=false",
+            "inference.reuse_prefixes=false",
             "inference.prefill_chunk=64",
             f"run.dir={tmp_path}",
         ],
@@ -35,6 +36,7 @@ def test_engine_servers_get_the_configs_engine_settings(tmp_path: Path) -> None:
     args = _parsed(EngineFleet(cfg, servers=1), version=3)
     assert (args.model, args.tokenizer, args.port) == ("/models/policy", "/models/tokenizer", 30001)
     assert args.cuda_graphs is False and args.recompute_kv_on_update is False
+    assert args.reuse_prefixes is False
     assert (args.prefill_chunk, args.weight_version) == (64, 3)
 
 
@@ -43,4 +45,5 @@ def test_unset_settings_are_left_to_the_server(tmp_path: Path) -> None:
     args = _parsed(EngineFleet(cfg, servers=1), version=0)
     # Graphs on for CUDA (the server's default), keys recomputed after an update.
     assert args.cuda_graphs is None and args.recompute_kv_on_update is True
+    assert args.reuse_prefixes is True
     assert args.tokenizer is None
