@@ -384,6 +384,9 @@ def engine_window(totals: list[dict[str, float] | None], stamps: list[float]) ->
         "engine_prefill_share": d["prefill_steps"] / d["steps"] if d["steps"] else None,
         "engine_busy": d["step_s"] / wall if wall > 0 else None,
         "engine_tokens_per_s": d["sampled_tokens"] / wall if wall > 0 else None,
+        # Prompt positions copied from another request's cache (prefix_reuse) of all fed.
+        "engine_reused_share": d.get("reused_tokens", 0)
+        / max(d.get("reused_tokens", 0) + d["prefill_tokens"], 1),
     }
 
 
