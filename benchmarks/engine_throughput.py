@@ -97,9 +97,11 @@ def bench_engine(
             cuda_graphs=graphs,
             packed_weights=packed,
             fused_decoder=fused,
-            flash_decode=bool(flash_decode),
+            flash_decode=flash_decode,
         ),
     )
+    # Read now: close() gives the model its own layers back.
+    fused_on, flash_on = engine.runner.fused is not None, engine.runner.flash_decode
     vocab = engine.vocab_size
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
     captured = engine.runner.capture_graphs()
@@ -133,8 +135,8 @@ def bench_engine(
         variant += "_flash_decode" if flash_decode else "_sdpa_decode"
     return {
         "variant": variant,
-        "fused_decoder": engine.runner.fused is not None,
-        "flash_decode": engine.runner.flash_decode,
+        "fused_decoder": fused_on,
+        "flash_decode": flash_on,
         "concurrency": concurrency,
         "seconds": round(elapsed, 3),
         "output_tokens": tokens,
@@ -253,6 +255,7 @@ def check(device: str, fused: bool | None = None) -> dict:
     engine = EmbeddedEngine(
         model, None, config=EngineConfig(max_batch_size=8, max_model_len=512, fused_decoder=fused)
     )
+    fused_on = engine.runner.fused is not None  # close() gives the model its layers back
     base = prompts(1, 240, engine.vocab_size, 3)[0]
     batch = [base[: 5 + 30 * i] for i in range(8)]
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -281,7 +284,7 @@ def check(device: str, fused: bool | None = None) -> dict:
             worst = max(worst, max(abs(a - b) for a, b in zip(want, out.logprobs, strict=True)))
     return {
         "variant": "check" if fused is None else f"check_fused_{fused}",
-        "fused_decoder": engine.runner.fused is not None,
+        "fused_decoder": fused_on,
         "device": device,
         "cuda_graphs": len(engine.runner._graphs),
         "graph_error": engine.runner.graph_error,
@@ -426,6 +429,12 @@ def main() -> None:
         "--kernels", action="store_true", help="--profile: also the decode step's kernel table"
     )
     parser.add_argument(
+        "--old-defaults-too",
+        action="store_true",
+        help="also the top level with the transformers layers and masked SDPA decode (the "
+        "CUDA defaults before the fused decoder and flash decode)",
+    )
+    parser.add_argument(
         "--eager-too", action="store_true", help="also the top level without graphs"
     )
     parser.add_argument(
@@ -504,6 +513,8 @@ def main() -> None:
         part(bench_engine, model, args, levels[-1], flash_decode=True)
         if args.fused_too:
             part(bench_engine, model, args, levels[-1], fused=True, flash_decode=True)
+    if args.old_defaults_too and levels:
+        part(bench_engine, model, args, levels[-1], fused=False, flash_decode=False)
     if args.unpacked_too and levels:
         part(bench_engine, model, args, levels[-1], packed=False)
     if args.profile and levels:

@@ -84,8 +84,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on for CUDA
     packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
     packed_weights: bool | None = None  # None: on for CPU (packed_linear.py)
-    fused_decoder: bool | None = None  # None: on for CPU where supported (fused_decoder.py)
-    flash_decode: bool = False  # CUDA, half precision: flash decode attention (kv_cache.py)
+    fused_decoder: bool | None = None  # None: on where supported (fused_decoder.py)
+    flash_decode: bool | None = None  # None: on for CUDA in half precision (kv_cache.py)
     recompute_kv_on_update: bool = True
     reuse_prefixes: bool = True  # copy a prompt's cached prefix from another slot (prefix_reuse.py)
 

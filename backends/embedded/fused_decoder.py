@@ -1,6 +1,7 @@
-"""A lean forward for Llama-family decoders (Llama, Qwen2, Mistral): the engine's default on
-CPU, opt-in on CUDA (``EngineConfig.fused_decoder``), where its norm, rotary and SiLU parts
-are compiled into one kernel each.
+"""A lean forward for Llama-family decoders (Llama, Qwen2, Mistral): the engine's default
+(``EngineConfig.fused_decoder``). On CUDA its norm, rotary and SiLU parts are compiled into
+one kernel each: a 0.5B decode step is 833 kernels instead of 2,239, and the engine gives
+1.34x the output tokens/s at 256 rows on an H100 (benchmarks/engine.md).
 
 On CPU a decode step is small (16 rows x 576 features for SmolLM2), so its cost is the
 number of operations and of Python calls, not their arithmetic. The transformers modules

@@ -43,11 +43,14 @@ def test_decode_steps_with_flash_attention_give_the_masked_sdpa_logits(
     tmp_path: Path, fused: bool
 ) -> None:
     """The engine's decode steps (CUDA graphs, several cache buckets) with flash decode and,
-    in the second case, the fused decoder with its compiled parts, against the default path."""
+    in the second case, the fused decoder with its compiled parts (the CUDA defaults), against
+    the transformers layers with a masked SDPA."""
     from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
 
     model_dir = _llama(tmp_path)
-    reference = ModelRunner(_bf16_llama(model_dir), num_slots=4, max_len=300)
+    reference = ModelRunner(
+        _bf16_llama(model_dir), num_slots=4, max_len=300, flash_decode=False, fused_decoder=False
+    )
     tried = ModelRunner(
         _bf16_llama(model_dir), num_slots=4, max_len=300, flash_decode=True, fused_decoder=fused
     )
