@@ -19,6 +19,7 @@ waiting on it with ``TrainProcessError`` naming its exit code, never a hang.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -69,7 +70,10 @@ class _Child:
         self.conn = conn
         self.backend = backend
         self.sync_dtype = sync_dtype
-        self._buckets: Iterator[NamedTensors] | None = None
+        # Open weight reads by id: a push and an engine's catch-up may read at once, their
+        # calls interleaved (one shared iterator gave one the other's end).
+        self._reads: dict[int, Iterator[NamedTensors]] = {}
+        self._read_ids = itertools.count()
 
     def state(self) -> dict[str, Any]:
         b = self.backend
@@ -100,26 +104,28 @@ class _Child:
             return None
         if op == "sync_begin":
             (bucket_bytes,) = args
-            self._buckets = iter(b.state_for_sync(bucket_bytes))
-            return None
+            read = next(self._read_ids)
+            self._reads[read] = iter(b.state_for_sync(bucket_bytes))
+            return read
         if op == "sync_next":
-            return self._next_bucket()
+            return self._next_bucket(*args)
         if op == "sync_end":
-            self._buckets = None
+            self._reads.pop(args[0], None)
             if torch.cuda.is_available() and b.device.type == "cuda":
                 torch.cuda.ipc_collect()  # free buckets the parent has released
             return None
         raise ValueError(f"unknown train process request {op!r}")
 
-    def _next_bucket(self) -> tuple[bytes, list[list[object]]] | None:
+    def _next_bucket(self, read: int) -> tuple[bytes, list[list[object]]] | None:
         from areal_sdk.backends.weight_sync.base import cast_bucket, flatten_bucket
         from areal_sdk.backends.weight_sync.cuda_ipc import serialize_tensor
 
-        if self._buckets is None:
+        buckets = self._reads.get(read)
+        if buckets is None:
             raise RuntimeError("sync_next without sync_begin")
-        bucket = next(self._buckets, None)
+        bucket = next(buckets, None)
         if bucket is None:
-            self._buckets = None
+            del self._reads[read]
             return None
         flat, metas = flatten_bucket(cast_bucket(bucket, self.sync_dtype))
         if flat.is_cuda:
@@ -308,10 +314,10 @@ class TrainProcess(TrainBackend):
         from areal_sdk.backends.weight_sync.base import TensorMeta, unflatten_bucket
         from areal_sdk.backends.weight_sync.cuda_ipc import deserialize_tensor
 
-        self._call("sync_begin", bucket_bytes)
+        read = self._call("sync_begin", bucket_bytes)
         try:
             while True:
-                reply = self._call("sync_next")
+                reply = self._call("sync_next", read)
                 if reply is None:
                     return
                 payload, metas = reply
@@ -319,7 +325,7 @@ class TrainProcess(TrainBackend):
                 yield unflatten_bucket(flat, [TensorMeta.from_json(m) for m in metas])
         finally:
             if not self._closed:
-                self._call("sync_end")
+                self._call("sync_end", read)
 
     def save(self, directory: str | Path) -> None:
         self._call("save", str(directory))

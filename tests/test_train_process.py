@@ -90,6 +90,29 @@ async def test_a_push_from_the_child_makes_the_engine_score_like_the_child(
         await engine.close()
 
 
+def test_two_weight_reads_at_once_each_get_every_weight(child) -> None:
+    """A push and a restarted engine's catch-up read the weights at the same time; their
+    calls interleave (one shared read once ended the other's: "sync_next without
+    sync_begin", and the run stopped)."""
+    want = weights_of(child)
+    first, second = child.state_for_sync(64 * 1024), child.state_for_sync(64 * 1024)
+    got: list[dict[str, torch.Tensor]] = [{}, {}]
+    done = [False, False]
+    while not all(done):
+        for k, reader in enumerate((first, second)):
+            if done[k]:
+                continue
+            bucket = next(reader, None)
+            if bucket is None:
+                done[k] = True
+            else:
+                got[k].update((n, t.clone()) for n, t in bucket)
+    for read in got:
+        assert read.keys() == want.keys()
+        for name, tensor in want.items():
+            torch.testing.assert_close(read[name], tensor)
+
+
 def test_sync_buckets_arrive_in_the_configured_dtype(tiny_model_dir: Path) -> None:
     process = TrainProcess(config(tiny_model_dir, dtype="bfloat16"))
     try:

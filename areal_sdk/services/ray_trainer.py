@@ -30,6 +30,7 @@ watches the actors, so nothing hangs on a lost rank.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -88,7 +89,8 @@ class TrainRankActor:
         )
         self.backend: TrainBackend | None = None
         self.sync_dtype: torch.dtype | None = None
-        self.buckets: Iterator[NamedTensors] | None = None
+        self.reads: dict[int, Iterator[NamedTensors]] = {}
+        self.read_ids = itertools.count()
         self.closed = threading.Event()
 
     def where(self) -> dict[str, Any]:
@@ -135,24 +137,27 @@ class TrainRankActor:
         elif op == "set_initial_version":
             (b.initial_version,) = args
         elif op == "sync_begin":
-            self.buckets = iter(b.state_for_sync(*args))
+            # Reads by id: a push and an engine's catch-up may read at once (train_process).
+            result = next(self.read_ids)
+            self.reads[result] = iter(b.state_for_sync(*args))
         elif op == "sync_next":
-            result = self._next_bucket(b)
+            result = self._next_bucket(b, *args)
         elif op == "sync_end":
-            self.buckets = None
+            self.reads.pop(args[0], None)
         else:
             raise ValueError(f"unknown trainer rank request {op!r}")
         return result, self.state()
 
-    def _next_bucket(self, b: TrainBackend) -> tuple[bool, NamedTensors | None]:
+    def _next_bucket(self, b: TrainBackend, read: int) -> tuple[bool, NamedTensors | None]:
         """(whether there was a bucket, rank 0's copy of it): every rank gathers."""
         from areal_sdk.backends.weight_sync.base import cast_bucket
 
-        if self.buckets is None:
+        buckets = self.reads.get(read)
+        if buckets is None:
             raise RuntimeError("sync_next without sync_begin")
-        bucket = next(self.buckets, None)
+        bucket = next(buckets, None)
         if bucket is None:
-            self.buckets = None
+            del self.reads[read]
             return False, None
         if b.rank != 0:
             return True, None
@@ -439,16 +444,16 @@ class RayTrainGroup(TrainBackend):
 
     def state_for_sync(self, bucket_bytes: int) -> Iterator[NamedTensors]:
         """Rank 0's buckets, every rank gathering each one (a collective under ZeRO-3)."""
-        self._call("sync_begin", bucket_bytes)
+        read = self._call("sync_begin", bucket_bytes)
         try:
             while True:
-                more, bucket = self._call("sync_next")
+                more, bucket = self._call("sync_next", read)
                 if not more:
                     return
                 yield bucket
         finally:
             if not self._closed and self._failure is None:
-                self._call("sync_end")
+                self._call("sync_end", read)
 
     def save(self, directory: str | Path) -> None:
         self._call("save", str(Path(directory).resolve()))
