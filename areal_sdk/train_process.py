@@ -189,7 +189,41 @@ def _child_main(conn: Connection, config: dict[str, Any]) -> None:
 # -- the parent ----------------------------------------------------------------------------
 
 
-class TrainProcess(TrainBackend):
+class RemoteBackend(TrainBackend):
+    """A ``TrainBackend`` whose backend runs elsewhere (a child process, Ray actors): the
+    properties read the state it last reported, and calls go through ``_call``."""
+
+    _state: dict[str, Any]
+
+    def _call(self, op: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    @property
+    def step(self) -> int:
+        return int(self._state["step"])
+
+    @property
+    def initial_version(self) -> int:  # type: ignore[override]
+        return int(self._state["initial_version"])
+
+    @initial_version.setter
+    def initial_version(self, version: int) -> None:
+        self._call("set_initial_version", version)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._state["device"])
+
+    @property
+    def micro_batch_tokens(self) -> int:  # type: ignore[override]
+        return int(self._state["micro_batch_tokens"])
+
+    @property
+    def trains_adapter(self) -> bool:
+        return bool(self._state.get("trains_adapter", False))
+
+
+class TrainProcess(RemoteBackend):
     """The ``TrainBackend`` of ``cfg.train.backend``, running in a spawned child process.
 
     Calls are serialised (one at a time, from any thread); each blocks its calling thread,
@@ -264,32 +298,12 @@ class TrainProcess(TrainBackend):
     # -- TrainBackend ----------------------------------------------------------------------
 
     @property
-    def step(self) -> int:
-        return int(self._state["step"])
-
-    @property
-    def initial_version(self) -> int:  # type: ignore[override]
-        return int(self._state["initial_version"])
-
-    @initial_version.setter
-    def initial_version(self, version: int) -> None:
-        self._call("set_initial_version", version)
-
-    @property
     def rank(self) -> int:
         return int(self._state.get("rank", 0))
 
     @property
     def world_size(self) -> int:
         return int(self._state.get("world_size", 1))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device(self._state["device"])
-
-    @property
-    def micro_batch_tokens(self) -> int:  # type: ignore[override]
-        return int(self._state["micro_batch_tokens"])
 
     def exitcode(self) -> int | None:
         """None while the train process lives (or was closed on purpose); its exit code once
@@ -332,10 +346,6 @@ class TrainProcess(TrainBackend):
 
     def load(self, directory: str | Path) -> None:
         self._call("load", str(directory))
-
-    @property
-    def trains_adapter(self) -> bool:
-        return bool(self._state.get("trains_adapter", False))
 
     def save_adapter(self, directory: str | Path) -> Path:
         return Path(self._call("save_adapter", str(directory)))

@@ -49,7 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from areal_sdk.launcher import LaunchError
 from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line, free_port
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend
-from areal_sdk.train_process import TrainProcessError
+from areal_sdk.train_process import RemoteBackend, TrainProcessError
 
 if TYPE_CHECKING:
     from areal_sdk.config import Config
@@ -203,7 +203,7 @@ def _portable(cfg: Config) -> dict[str, Any]:
     return data
 
 
-class RayTrainGroup(TrainBackend):
+class RayTrainGroup(RemoteBackend):
     """``ray.trainer.ranks`` actors running ``cfg.train.backend`` as one group (module doc).
 
     Calls are serialised (one at a time, from any thread) and block the calling thread.
@@ -405,32 +405,8 @@ class RayTrainGroup(TrainBackend):
     # -- TrainBackend ----------------------------------------------------------------------
 
     @property
-    def step(self) -> int:
-        return int(self._state["step"])
-
-    @property
-    def initial_version(self) -> int:  # type: ignore[override]
-        return int(self._state["initial_version"])
-
-    @initial_version.setter
-    def initial_version(self, version: int) -> None:
-        self._call("set_initial_version", version)
-
-    @property
     def world_size(self) -> int:
         return self.ranks
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device(self._state["device"])
-
-    @property
-    def micro_batch_tokens(self) -> int:  # type: ignore[override]
-        return int(self._state["micro_batch_tokens"])
-
-    @property
-    def trains_adapter(self) -> bool:
-        return bool(self._state.get("trains_adapter", False))
 
     def forward_logprobs(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Every rank's logprobs, back in the order of ``batches``."""
