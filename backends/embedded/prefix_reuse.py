@@ -18,7 +18,8 @@ since its logits give the first sampled token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 # A shorter shared prefix is fed again: a follower would wait a step for little.
@@ -87,20 +88,22 @@ def best_source(
         return None
     head = tokens[:MIN_REUSE_TOKENS]
     best: Reuse | None = None
-    for slot, have in held.items():
-        if have[:MIN_REUSE_TOKENS] == head:
-            n = common_prefix(tokens, have, limit)
-            if best is None or n > best.length:
-                best = Reuse(n, slot=slot)
-                if n == limit:
-                    return best
-    for k, (source, have) in enumerate(active):
-        if k >= MAX_CANDIDATES:
-            break
-        if have[:MIN_REUSE_TOKENS] == head:
-            n = common_prefix(tokens, have, limit)
-            if best is None or n > best.length:
-                best = Reuse(n, source=source)
-                if n == limit:
-                    return best
+    for slot, source, have in _candidates(held, active):
+        if have[:MIN_REUSE_TOKENS] != head:
+            continue
+        n = common_prefix(tokens, have, limit)
+        if best is None or n > best.length:
+            best = Reuse(n, slot=slot, source=source)
+            if n == limit:
+                break
     return best if best is not None and best.length >= MIN_REUSE_TOKENS else None
+
+
+def _candidates(
+    held: HeldPrefixes, active: Iterable[tuple[object, list[int]]]
+) -> Iterator[tuple[int | None, object | None, list[int]]]:
+    """(free slot, or active request, and the tokens it holds), free slots first."""
+    for slot, have in held.items():
+        yield slot, None, have
+    for source, have in itertools.islice(active, MAX_CANDIDATES):
+        yield None, source, have
