@@ -184,7 +184,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             fetchers = [  # one on each engine server's node
-                Fetcher.options(
+                Fetcher.options(  # type: ignore[attr-defined]
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)
                 ).remote()
                 for node in fleet.nodes.values()

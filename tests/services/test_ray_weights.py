@@ -37,18 +37,17 @@ BOUND_S = 5.0  # run.heartbeat_timeout_s in these runs
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A head for the rollout workers and the trainer, two nodes for engine servers."""
-    node = {"num_cpus": 2}
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
-            **node,
+            "num_cpus": 2,
             "include_dashboard": False,
             "resources": {"worker_slot": 4, "trainer_slot": 1},
         },
     )
     try:
         for _ in range(2):
-            cluster.add_node(**node, resources={"engine_slot": 2})
+            cluster.add_node(num_cpus=2, resources={"engine_slot": 2})
         cluster.wait_for_nodes()
         yield cluster
     finally:
