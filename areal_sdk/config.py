@@ -365,7 +365,11 @@ class WeightsConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype sent to the engine; auto keeps the trainer's"
     )
-    master_addr: str = Field("127.0.0.1", description="broadcast/cuda_ipc: the trainer's address")
+    master_addr: str = Field(
+        "127.0.0.1",
+        description="broadcast/cuda_ipc: the trainer's address (under run.placement=ray a "
+        "loopback one becomes this node's IP)",
+    )
     master_port: int = Field(0, ge=0, le=65535, description="broadcast/cuda_ipc: 0 picks one")
     engine_ranks: int = Field(1, ge=1, description="broadcast: engine processes in the group")
     group_backend: Literal["auto", "gloo", "nccl"] = Field(

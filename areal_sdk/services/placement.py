@@ -34,7 +34,7 @@ def for_placement(cfg: Config, placement: Placement) -> Config:
     """``cfg`` as ``placement`` runs it: in ``processes`` the trainer is a process of its own
     and weights reach the engine servers across processes (``in_process`` becomes CUDA IPC on
     a GPU, safetensors on disk on a CPU). ``ray`` places them on a cluster, with weights on
-    disk under the run directory, which every node must see."""
+    disk under the run directory, which every node must see, or broadcast from this node."""
     if placement == "ray":
         return _for_ray(cfg)
     if placement == "inprocess":
@@ -66,7 +66,8 @@ def for_placement(cfg: Config, placement: Placement) -> Config:
 
 def _for_ray(cfg: Config) -> Config:
     """Engine servers, rollout workers and trainer ranks as Ray actors; weights reach the
-    servers on other machines as safetensors in the run directory (a shared path)."""
+    servers on other machines as safetensors in the run directory (a shared path), or by
+    ``broadcast`` from the run's process at an address every node reaches."""
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
@@ -78,11 +79,19 @@ def _for_ray(cfg: Config) -> Config:
             "run.placement=ray runs the trainer in a process of its own; "
             "remove train.separate_process=false"
         )
-    if cfg.weights.method not in ("in_process", "disk"):
+    if cfg.weights.method not in ("in_process", "disk", "broadcast"):
         raise PlacementError(
             f"weights.method={cfg.weights.method} does not reach engine servers on other "
-            "machines; run.placement=ray pushes weights with disk (the run directory, shared)"
+            "machines; run.placement=ray pushes weights with disk (the run directory, "
+            "shared) or broadcast"
         )
     train = cfg.train.model_copy(update={"separate_process": True})
-    weights = cfg.weights.model_copy(update={"method": "disk"})
+    if cfg.weights.method == "broadcast":
+        from areal_sdk.services.ray_placement import reachable_addr
+
+        # The run's process is rank 0 of the weight group: engines on every node dial it.
+        update = {"master_addr": reachable_addr(cfg.weights.master_addr)}
+    else:
+        update = {"method": "disk"}
+    weights = cfg.weights.model_copy(update=update)
     return cfg.model_copy(update={"train": train, "weights": weights})

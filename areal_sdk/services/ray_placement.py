@@ -15,6 +15,7 @@ kind to the nodes that declared them (``ray start --resources='{"engine_node": 4
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -82,6 +83,18 @@ def _recorded_cluster() -> str | None:
     except ImportError:  # moved in another Ray: ray.init looks it up itself
         return None
     return read_ray_address()
+
+
+def reachable_addr(addr: str) -> str:
+    """``addr``, an address of this node, as actors on other nodes dial it: a loopback or
+    wildcard one (or ``localhost``) becomes this node's IP as Ray picks it."""
+    if addr == "localhost":
+        return ray.util.get_node_ip_address()
+    try:
+        ip = ipaddress.ip_address(addr.strip("[]"))
+    except ValueError:
+        return addr  # a host name: the user's choice
+    return ray.util.get_node_ip_address() if ip.is_loopback or ip.is_unspecified else addr
 
 
 def free_port(host: str) -> int:

@@ -11,8 +11,9 @@ supervised as the ``processes`` placement supervises its processes.
 The gateway stays beside the run's process: it writes every call to the trajectory store,
 an SQLite file that must stay on one machine's disk. Weights reach the servers as
 safetensors under the run directory, which every node must see at the same path (a shared
-file system). Everything else is ``ProcessStack``'s: the same watch loops, restart policy
-and ``ServiceFailed``.
+file system), or, with ``weights.method: broadcast``, over a process group whose rank 0 is
+the run's process at this node's IP (``placement.py``). Everything else is
+``ProcessStack``'s: the same watch loops, restart policy and ``ServiceFailed``.
 
 >>> stack = await RayStack(cfg, store, host=host, address=address, run_dir=run_dir,
 ...     search_path=[config_dir]).start()                    # doctest: +SKIP

@@ -306,10 +306,15 @@ class SGLangBackend(InferenceBackend):
         """``POST route`` with ``body`` on every live server."""
         await self._fan_out(lambda s: s.client.post_json(route, body), strict=strict)
 
-    async def set_version(self, version: int) -> None:
-        """Relabel the served weights as ``version`` on every server."""
+    async def set_version(self, version: int, servers: list[Server] | None = None) -> None:
+        """Relabel the served weights as ``version`` on every server (or on ``servers``)."""
         body = {"new_version": str(int(version)), "abort_all_requests": False}
-        await self._fan_out(lambda s: s.client.post_json("/update_weight_version", body))
+        if servers is None:
+            await self._fan_out(lambda s: s.client.post_json("/update_weight_version", body))
+        else:
+            await asyncio.gather(
+                *(s.client.post_json("/update_weight_version", body) for s in servers)
+            )
         self._version = int(version)
 
     async def health(self) -> dict[str, Any]:
@@ -353,21 +358,29 @@ class SGLangBackend(InferenceBackend):
 
     # -- the weight group (SGLang's NCCL refit; see weight_sync.py) -------------------------
 
-    def rank_offsets(self) -> tuple[list[tuple[Server, int]], int]:
-        """Each live server's first rank in the weight group (the trainer is rank 0), and
-        the group's world size: ``1 + sum(tp_size)``."""
+    def rank_offsets(
+        self, servers: list[Server] | None = None
+    ) -> tuple[list[tuple[Server, int]], int]:
+        """Each live server's (or each of ``servers``') first rank in the weight group (the
+        trainer is rank 0), and the group's world size: ``1 + sum(tp_size)``."""
         offsets, rank = [], 1
-        for server in self.pool.live:
+        for server in self.pool.live if servers is None else servers:
             offsets.append((server, rank))
             rank += server.tp_size
         return offsets, rank
 
     async def init_weight_group(
-        self, master_address: str, master_port: int, group_name: str, backend: str
+        self,
+        master_address: str,
+        master_port: int,
+        group_name: str,
+        backend: str,
+        servers: list[Server] | None = None,
     ) -> None:
-        """``/init_weights_update_group`` on every live server; each joins at its offset.
-        The trainer joins as rank 0 at the same time (these calls return once it has)."""
-        offsets, world_size = self.rank_offsets()
+        """``/init_weights_update_group`` on every live server (or on ``servers``); each
+        joins at its offset. The trainer joins as rank 0 at the same time (these calls
+        return once it has)."""
+        offsets, world_size = self.rank_offsets(servers)
 
         async def init(server: Server, offset: int) -> Any:
             body = {
@@ -385,10 +398,16 @@ class SGLangBackend(InferenceBackend):
         await asyncio.gather(*(init(s, o) for s, o in offsets))
 
     async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        servers: list[Server] | None = None,
     ) -> None:
-        """One bucket's ``/update_weights_from_distributed`` on every live server; the
-        trainer broadcasts the tensors, in this order, while these calls are in flight."""
+        """One bucket's ``/update_weights_from_distributed`` on every live server (or on
+        ``servers``, the group's members); the trainer broadcasts the tensors, in this
+        order, while these calls are in flight."""
         body = {
             "names": names,
             "dtypes": dtypes,
@@ -400,7 +419,7 @@ class SGLangBackend(InferenceBackend):
         await asyncio.gather(
             *(
                 s.client.post_json("/update_weights_from_distributed", body, idempotent=False)
-                for s in self.pool.live
+                for s in (self.pool.live if servers is None else servers)
             )
         )
 
@@ -443,12 +462,21 @@ class SGLangBackend(InferenceBackend):
 
         return dict(await self._fan_out(read))
 
-    async def destroy_weight_group(self, group_name: str) -> None:
-        await self._fan_out(
-            lambda s: s.client.post_json(
-                "/destroy_weights_update_group", {"group_name": group_name}
-            ),
-            strict=False,
+    async def destroy_weight_group(
+        self, group_name: str, servers: list[Server] | None = None
+    ) -> None:
+        """``/destroy_weights_update_group`` on every live server (or on ``servers``, live
+        or not); a server that fails (it lost the group with its process) is left alone."""
+        body = {"group_name": group_name}
+        if servers is None:
+            await self._fan_out(
+                lambda s: s.client.post_json("/destroy_weights_update_group", body),
+                strict=False,
+            )
+            return
+        await asyncio.gather(
+            *(s.client.post_json("/destroy_weights_update_group", body) for s in servers),
+            return_exceptions=True,
         )
 
     def weight_sync_for(

@@ -12,16 +12,25 @@ report ``version``. gloo on CPU, NCCL when the trainer is on CUDA.
 A bucket a server refuses, or a broadcast nobody receives within ``timeout_s``, fails the
 push with ``WeightSyncError`` naming the servers; the group is then torn down and the next
 push builds a new one.
+
+The group holds the servers that were live when it opened. Before each push a member that
+no longer answers ``/health`` leaves rotation, and when the live servers differ from the
+members (one died, restarted, joined or left) the group is built again over the live ones.
+A server that joins during a push gets none of it and keeps its version; the fleet that
+added it brings it up to date (``EngineFleet`` loads the latest weights into a server that
+serves an older version).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from areal_sdk.backends.sglang.backend import REJOIN_POLL_S
 from areal_sdk.backends.sglang.process_group import (
     broadcast_from_trainer,
     destroy_weight_group,
@@ -38,10 +47,13 @@ from areal_sdk.backends.weight_sync.channel import resolve_backend
 
 if TYPE_CHECKING:
     from areal_sdk.backends.sglang.backend import SGLangBackend
+    from areal_sdk.backends.sglang.pool import Server
 
     from areal_sdk.config import Config
 
 GROUP_NAME = "weight_update_group"
+# How long a member of the weight group may take to answer GET /health before a push.
+PROBE_TIMEOUT_S = 5.0
 
 
 def _free_port(host: str) -> int:
@@ -100,6 +112,7 @@ class SGLangBroadcastSync(ServerWeightSync):
         self.backend = resolve_backend(backend, self.device)
         self.group_name = group_name
         self.group: torch.distributed.ProcessGroup | None = None
+        self.members: list[Server] = []  # the servers in the group, in rank order
 
     @classmethod
     def from_config(
@@ -116,11 +129,18 @@ class SGLangBroadcastSync(ServerWeightSync):
         return cls(engine, **args)
 
     async def connect(self, version: int = 0) -> None:
-        """Open the weight group with every live server (once)."""
+        """Open the weight group with every live server, again when they changed."""
         if self.group is not None:
-            return
+            await self._drop_silent_members()
+            live = self.engine.pool.live
+            if len(live) == len(self.members) and all(
+                a is b for a, b in zip(live, self.members, strict=True)
+            ):
+                return
+            await self._teardown()
+        members = await self._live_servers(version)
         port = self.master_port or _free_port(self.master_addr)
-        _, world_size = self.engine.rank_offsets()
+        _, world_size = self.engine.rank_offsets(members)
         results = await asyncio.gather(
             asyncio.to_thread(
                 init_weight_group,
@@ -132,7 +152,9 @@ class SGLangBroadcastSync(ServerWeightSync):
                 self.group_name,
                 self.timeout_s,
             ),
-            self.engine.init_weight_group(self.master_addr, port, self.group_name, self.backend),
+            self.engine.init_weight_group(
+                self.master_addr, port, self.group_name, self.backend, members
+            ),
             return_exceptions=True,
         )
         group, init = results
@@ -145,7 +167,28 @@ class SGLangBroadcastSync(ServerWeightSync):
                 self._peers,
                 f"opening the weight group at {self.master_addr}:{port} failed: {cause}",
             ) from cause
-        self.group = group
+        self.group, self.members = group, members
+
+    async def _live_servers(self, version: int) -> list[Server]:
+        """The servers in rotation; with none, wait for a restarted one as long as the
+        backend waits for one (``rejoin_timeout_s``)."""
+        deadline = time.monotonic() + self.engine.rejoin_timeout_s
+        while not self.engine.pool.live:
+            if time.monotonic() >= deadline:
+                raise self._fail(version, "the weight group", self.engine.pool.describe_dead())
+            await asyncio.sleep(REJOIN_POLL_S)
+        return list(self.engine.pool.live)
+
+    async def _drop_silent_members(self) -> None:
+        """Take members that do not answer ``/health`` out of rotation: a broadcast to a
+        dead rank would fail the push, while the fleet restarts them and the next group
+        takes them back."""
+
+        async def probe(server: Server) -> None:
+            if server.alive and not await server.client.healthy(timeout_s=PROBE_TIMEOUT_S):
+                self.engine.pool.mark_dead(server, "left the weight group: GET /health failed")
+
+        await asyncio.gather(*(probe(s) for s in self.members))
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         assert self.group is not None
@@ -174,6 +217,7 @@ class SGLangBroadcastSync(ServerWeightSync):
                     [dtype_name(t.dtype) for t in send],
                     [list(t.shape) for t in send],
                     self.group_name,
+                    self.members,
                 )
                 results = await asyncio.wait_for(
                     asyncio.gather(
@@ -187,7 +231,7 @@ class SGLangBroadcastSync(ServerWeightSync):
                 tensors += len(send)
                 nbytes += sum(t.numel() * t.element_size() for t in send)
                 index += 1
-            await self.engine.set_version(version)
+            await self.engine.set_version(version, self.members)
         except Exception as exc:
             await self._teardown()
             raise self._fail(version, self._peers, f"bucket {index} failed: {exc}") from exc
@@ -195,10 +239,13 @@ class SGLangBroadcastSync(ServerWeightSync):
         return tensors, nbytes
 
     async def _teardown(self) -> None:
-        group, self.group = self.group, None
+        group, members = self.group, self.members
+        self.group, self.members = None, []
         if group is not None:
             try:
-                await self.engine.destroy_weight_group(self.group_name)
+                # Every member, in rotation or not: one that still holds the group would
+                # refuse to join the next one under the same name.
+                await self.engine.destroy_weight_group(self.group_name, members)
             finally:
                 destroy_weight_group(group)
 
