@@ -42,6 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.shapes import QWEN2_05B  # noqa: E402
+
 AGENT = """
 import areal_sdk as areal
 from openai import AsyncOpenAI
@@ -77,14 +79,12 @@ def build_model(out: Path, layers: int) -> Path:
     tokenizer = build_tokenizer(out)
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
+        **{
+            **QWEN2_05B,
+            "vocab_size": len(tokenizer),
+            "num_hidden_layers": layers,
+            "max_position_embeddings": 4096,
+        },
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,

@@ -30,17 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from areal_sdk.compute_threads import call_in_fresh_thread  # noqa: E402
+from benchmarks.shapes import QWEN2_05B  # noqa: E402
 
-QWEN_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+QWEN_05B = {**QWEN2_05B, "max_position_embeddings": 4096}
 
 
 def build_model(name: str, device: str, dtype: torch.dtype):

@@ -27,6 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.shapes import QWEN2_05B  # noqa: E402
+
 
 def build(out: Path, layers: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -35,16 +37,7 @@ def build(out: Path, layers: int) -> Path:
 
     build_tokenizer(out)  # the engine loads one; only the weights are timed
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    )
+    config = Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers})
     Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
     return out
 
