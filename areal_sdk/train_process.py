@@ -19,6 +19,7 @@ waiting on it with ``TrainProcessError`` naming its exit code, never a hang.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import multiprocessing as mp
@@ -195,8 +196,9 @@ class RemoteBackend(TrainBackend):
 
     _state: dict[str, Any]
 
+    @abc.abstractmethod
     def _call(self, op: str, *args: Any) -> Any:
-        raise NotImplementedError
+        """Run ``op`` on the remote backend; its result."""
 
     @property
     def step(self) -> int:
