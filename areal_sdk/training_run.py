@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from areal_sdk.backends.train.defaults import compile_by_default
+from areal_sdk.backends.weight_sync.base import PeerLostError
 from areal_sdk.checkpoints import Checkpoint, Checkpoints
 from areal_sdk.compute_threads import in_fresh_thread
 from areal_sdk.config import Config
@@ -115,11 +116,13 @@ class WeightPusher:
     async def __call__(self, version: int) -> None:
         await self.engine.pause(self.pause_mode)
         try:
-            if self.sync.takes_adapter:  # an engine serving LoRA adapters (train.lora)
-                push = self.sync.push_adapter(self.backend.save_adapter, version)
-            else:
-                push = self.sync.push(self.backend.state_for_sync(self.bucket_bytes), version)
-            await asyncio.wait_for(push, self.timeout_s)
+            try:
+                await self._push(version)
+            except PeerLostError as exc:
+                # Servers died mid-push; those left (and restarted ones, which the fleet
+                # brings up to date) take a fresh push. A second loss ends the run.
+                log.warning("%s; pushing version %d again", exc, version)
+                await self._push(version)
         except TimeoutError:
             raise TrainingError(
                 f"pushing weight version {version} ({self.sync.method}) did not finish within "
@@ -133,6 +136,13 @@ class WeightPusher:
             )
         if self.after is not None:
             await self.after(version)
+
+    async def _push(self, version: int) -> None:
+        if self.sync.takes_adapter:  # an engine serving LoRA adapters (train.lora)
+            push = self.sync.push_adapter(self.backend.save_adapter, version)
+        else:
+            push = self.sync.push(self.backend.state_for_sync(self.bucket_bytes), version)
+        await asyncio.wait_for(push, self.timeout_s)
 
 
 def _final_samples(episodes: list[Episode], retries: int) -> dict[int, Episode]:

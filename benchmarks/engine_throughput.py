@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -71,6 +73,7 @@ def bench_engine(
     packed: bool | None = None,
     fused: bool | None = None,
     flash_decode: bool | None = None,
+    variant_suffix: str = "",
 ) -> dict:
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
@@ -116,7 +119,7 @@ def bench_engine(
 
     elapsed = asyncio.run(main())
     tokens = concurrency * args.new_tokens
-    variant = "engine"
+    variant = "engine" + variant_suffix
     if graphs is False:
         variant += "_eager"
     if packed is False:
@@ -399,6 +402,19 @@ def sync(model) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def torch_sampler() -> Iterator[None]:
+    """Sample with the torch ops (the path CPUs and GPUs without triton take) meanwhile."""
+    from areal_sdk.backends.embedded import sampler
+
+    fused = sampler._fused_sampling
+    sampler._fused_sampling = lambda logits: None
+    try:
+        yield
+    finally:
+        sampler._fused_sampling = fused
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2", "qwen0.5b"])
@@ -444,6 +460,12 @@ def main() -> None:
         "--flash-decode-too",
         action="store_true",
         help="also the top level with flash decode attention (default: masked SDPA)",
+    )
+    parser.add_argument(
+        "--torch-sampler-too",
+        action="store_true",
+        help="also the top level sampling with torch ops instead of the one-pass Triton kernel "
+        "(areal_sdk.kernels.fused_sampling, the CUDA default)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -509,6 +531,9 @@ def main() -> None:
         part(bench_engine, model, args, levels[-1], fused=False, flash_decode=False)
     if args.unpacked_too and levels:
         part(bench_engine, model, args, levels[-1], packed=False)
+    if args.torch_sampler_too and levels:
+        with torch_sampler():
+            part(bench_engine, model, args, levels[-1], variant_suffix="_torch_sampler")
     if args.profile and levels:
         part(profile_step, model, args, levels[-1])
         if args.flash_decode_too:

@@ -468,7 +468,7 @@ class _DecodeGraph:
             if not samples:
                 return logits, None
             tokens, logprobs = sample_temperature(
-                logits.float(), self.inputs[3].float(), runner.graph_generator
+                logits, self.inputs[3].float(), runner.graph_generator
             )
             return logits, torch.stack([tokens.double(), logprobs.double()])
 

@@ -25,6 +25,7 @@ engine passes its own generator, so a trainer seeding the device's default one n
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
             logits, params.temperature, params.generator
         )
         return SampleResult(tokens, logprobs)
+    if _plain_temperature(params) and _fused_sampling(logits) is not None:
+        return SampleResult(*sample_temperature(logits, params.temperature, params.generator))
     greedy = params.temperature <= 0
     logprobs = _scaled_logprobs(logits, params.temperature)
     if params.all_greedy:
@@ -142,15 +145,30 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleResult:
     return result
 
 
+def _plain_temperature(params: SamplingBatch) -> bool:
+    """Rows that set only a temperature: no truncation, no seed, no top logprobs."""
+    return not (params.any_truncation or params.any_seeded or params.top_logprobs > 0)
+
+
 def _cpu_kernel_takes(logits: torch.Tensor, params: SamplingBatch) -> bool:
     """Rows on CPU that set only a temperature go to the inverse-CDF kernel (one uniform per
     row from the same generator, the same distribution as Gumbel-max)."""
     return (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32
-        and not (params.any_truncation or params.any_seeded or params.top_logprobs > 0)
+        and _plain_temperature(params)
         and cpu_kernels.available()
     )
+
+
+def _fused_sampling(logits: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The one-pass Triton sampler (``areal_sdk.kernels.fused_sampling``) for CUDA logits
+    where triton is installed, else None."""
+    if not logits.is_cuda or importlib.util.find_spec("triton") is None:
+        return None
+    from areal_sdk.kernels import fused_sampling
+
+    return fused_sampling
 
 
 def sample_temperature(

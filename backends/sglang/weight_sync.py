@@ -11,7 +11,9 @@ report ``version``. gloo on CPU, NCCL when the trainer is on CUDA.
 
 A bucket a server refuses, or a broadcast nobody receives within ``timeout_s``, fails the
 push with ``WeightSyncError`` naming the servers; the group is then torn down and the next
-push builds a new one.
+push builds a new one. When a member stopped answering ``/health`` by then (it died during
+the push), the error is a ``PeerLostError``: the member is out of rotation and the trainer
+pushes again to the servers left.
 
 The group holds the servers that were live when it opened. Before each push a member that
 no longer answers ``/health`` leaves rotation, and when the live servers differ from the
@@ -38,6 +40,7 @@ from areal_sdk.backends.sglang.process_group import (
 )
 from areal_sdk.backends.weight_sync.base import (
     NamedTensors,
+    PeerLostError,
     WeightSync,
     cast_bucket,
     check_engine_version,
@@ -233,8 +236,15 @@ class SGLangBroadcastSync(ServerWeightSync):
                 index += 1
             await self.engine.set_version(version, self.members)
         except Exception as exc:
+            # A member that died mid-push is why a broadcast fails: take it out of rotation,
+            # so that a second push opens the group over the servers left.
+            await self._drop_silent_members()
+            lost = [s.url for s in self.members if not s.alive]
             await self._teardown()
-            raise self._fail(version, self._peers, f"bucket {index} failed: {exc}") from exc
+            error = self._fail(version, self._peers, f"bucket {index} failed: {exc}")
+            if lost:
+                raise PeerLostError(f"{error} ({', '.join(lost)} left the group)", lost) from exc
+            raise error from exc
         check_engine_version(self, self.engine, version, self._peers)
         return tensors, nbytes
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_sdk.backends.weight_sync.base import (
+    PeerLostError,
     SyncResult,
     WeightSync,
     WeightSyncError,
@@ -25,7 +26,14 @@ if TYPE_CHECKING:
 
 METHODS = ("in_process", "disk", "broadcast", "cuda_ipc")
 
-__all__ = ["METHODS", "SyncResult", "WeightSync", "WeightSyncError", "make_weight_sync"]
+__all__ = [
+    "METHODS",
+    "PeerLostError",
+    "SyncResult",
+    "WeightSync",
+    "WeightSyncError",
+    "make_weight_sync",
+]
 
 
 def make_weight_sync(

@@ -42,6 +42,16 @@ class WeightSyncError(RuntimeError):
     """A sync that failed or timed out; the message names the method, version and peer."""
 
 
+class PeerLostError(WeightSyncError):
+    """A sync that failed because engine servers left during it (``lost`` names them). The
+    servers still in rotation never got the whole version, and a fresh push reaches them:
+    the trainer pushes once more instead of ending the run."""
+
+    def __init__(self, message: str, lost: list[str]) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
 @dataclass(frozen=True)
 class SyncResult:
     """What one push moved."""
