@@ -146,6 +146,14 @@ class InferenceConfig(Section):
         description="embedded engine: prompt tokens per step (default 2048 on CPU, 512 on CUDA)",
     )
     cuda_graphs: bool | None = Field(None, description="embedded engine: decode CUDA graphs")
+    prompt_hold_steps: int | None = Field(
+        None,
+        ge=0,
+        description="embedded engine: while every running request decodes, new prompts wait up "
+        "to this many steps (or until an eighth of the slots wait) and prefill together, "
+        "outside the decode graphs once instead of once each (default 16 with CUDA graphs, "
+        "else 0)",
+    )
     recompute_kv_on_update: bool = Field(
         True,
         description="embedded engine: after a weight push, in-flight requests recompute their "

@@ -57,6 +57,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="decode CUDA graphs (default: on for CUDA)",
     )
     parser.add_argument(
+        "--prompt-hold-steps",
+        type=int,
+        default=None,
+        help="while every running request decodes, new prompts wait up to this many steps "
+        "and prefill together (default 16 with CUDA graphs, else 0)",
+    )
+    parser.add_argument(
         "--recompute-kv-on-update",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -90,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     len_ok = args.max_model_len is None or args.max_model_len >= 16
     if args.max_batch_size < 1 or not len_ok or not chunk_ok:
         return fail("--max-batch-size and --prefill-chunk must be >= 1, --max-model-len >= 16")
+    if args.prompt_hold_steps is not None and args.prompt_hold_steps < 0:
+        return fail(f"--prompt-hold-steps must be >= 0, got {args.prompt_hold_steps}")
     if args.weight_version < 0:
         return fail(f"--weight-version must be >= 0, got {args.weight_version}")
     if args.device.startswith("cuda"):
@@ -129,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
                     max_model_len=args.max_model_len,
                     prefill_chunk=args.prefill_chunk,
                     cuda_graphs=args.cuda_graphs,
+                    prompt_hold_steps=args.prompt_hold_steps,
                     recompute_kv_on_update=args.recompute_kv_on_update,
                     reuse_prefixes=args.reuse_prefixes,
                 ),

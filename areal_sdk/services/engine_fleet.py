@@ -428,6 +428,8 @@ class EngineFleet:
             cmd += ["--tokenizer", cfg.model.tokenizer]
         if inference.cuda_graphs is not None:
             cmd.append("--cuda-graphs" if inference.cuda_graphs else "--no-cuda-graphs")
+        if inference.prompt_hold_steps is not None:
+            cmd += ["--prompt-hold-steps", str(inference.prompt_hold_steps)]
         if not inference.recompute_kv_on_update:
             cmd.append("--no-recompute-kv-on-update")
         if not inference.reuse_prefixes:

@@ -88,6 +88,11 @@ class EngineConfig:
     flash_decode: bool | None = None  # None: on for CUDA in half precision (kv_cache.py)
     recompute_kv_on_update: bool = True
     reuse_prefixes: bool = True  # copy a prompt's cached prefix from another slot (prefix_reuse.py)
+    # While every running request decodes (a step that replays a CUDA graph), new prompts
+    # wait up to this many steps, or until max_batch_size // 8 of them wait, and then prefill
+    # together: one step outside the graphs for many prompts instead of one for each.
+    # None: 16 where decode graphs run, else 0 (no hold).
+    prompt_hold_steps: int | None = None
 
 
 @dataclass
@@ -148,6 +153,10 @@ class EmbeddedEngine(InferenceBackend):
         self.prefill_chunk = self.config.prefill_chunk or (
             2048 if self.runner.device.type == "cpu" else 512
         )
+        hold = self.config.prompt_hold_steps
+        self.prompt_hold_steps = (16 if self.runner.graphs_enabled else 0) if hold is None else hold
+        self._prompt_batch = max(1, self.config.max_batch_size // 8)
+        self._held_for = 0  # steps the waiting prompts have been held
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
         self._version = version
@@ -624,10 +633,27 @@ class EmbeddedEngine(InferenceBackend):
             self._stats.steps += 1
             self._stats.step_s += time.perf_counter() - started
 
+    def _hold_prompts(self) -> bool:
+        """Whether the waiting prompts sit out this step: it would otherwise replay a decode
+        graph, they have waited fewer than ``prompt_hold_steps`` steps and are fewer than an
+        eighth of the slots. A step that carries a prompt runs outside the graphs, several
+        times as long as a replay, so under a steady trickle of arrivals (asynchronous
+        rollouts) prefilling each on arrival would take most steps out of the graphs."""
+        if self._held_for >= self.prompt_hold_steps or len(self._waiting) >= self._prompt_batch:
+            return False
+        return bool(self._active) and all(
+            r.remaining == 1 and r.temperature_only for r in self._active
+        )
+
     def _step(self) -> None:
         # Admission: lowest free slot first keeps decode rows dense (rows are slots 0..B-1).
-        while self._waiting and self._free_slots:
-            self._admit(self._waiting.popleft())
+        if self._waiting and self._free_slots:
+            if self._hold_prompts():
+                self._held_for += 1
+            else:
+                self._held_for = 0
+                while self._waiting and self._free_slots:
+                    self._admit(self._waiting.popleft())
         version = self._version
         budget = self.prefill_chunk
         prefill: list[tuple[Request, RowInput, bool]] = []

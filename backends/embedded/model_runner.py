@@ -151,6 +151,11 @@ class ModelRunner:
             # new bucket mid-run would race the training step.
             self.capture_graphs()
 
+    @property
+    def graphs_enabled(self) -> bool:
+        """Whether decode steps replay CUDA graphs (until a capture fails)."""
+        return bool(self._graph_buckets)
+
     @staticmethod
     def _set_attention(model: torch.nn.Module) -> None:
         try:

@@ -38,6 +38,7 @@ def create_engine(config: Config) -> EmbeddedEngine:
             max_model_len=inference.max_model_len,
             prefill_chunk=inference.prefill_chunk,
             cuda_graphs=inference.cuda_graphs,
+            prompt_hold_steps=inference.prompt_hold_steps,
             recompute_kv_on_update=inference.recompute_kv_on_update,
             reuse_prefixes=inference.reuse_prefixes,
         ),

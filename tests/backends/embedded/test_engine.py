@@ -175,6 +175,47 @@ async def test_stats_count_the_steps_rows_and_tokens_of_a_batch(tiny_model_dir) 
         await eng.close()
 
 
+async def _trickle(eng: EmbeddedEngine) -> tuple[list[list[int]], int]:
+    """One long request decoding, then three prompts submitted one after each of its tokens
+    (a trickle of arrivals, as asynchronous rollouts make): their outputs and the prefill
+    steps it all took."""
+    long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    batch = prompts(eng, 5)[2:5]
+    before = eng.stats().prefill_steps
+    stream = eng.stream(prompts(eng, 2)[1], long)
+    late: list[asyncio.Task] = []
+    async for chunk in stream:
+        if chunk.ids and len(late) < len(batch):
+            late.append(asyncio.create_task(eng.generate(batch[len(late)], GREEDY)))
+    outs = await asyncio.gather(*late)
+    return [o.output_ids for o in outs], eng.stats().prefill_steps - before
+
+
+async def test_prompts_arriving_while_rows_decode_prefill_together(tiny_model_dir) -> None:
+    """With ``prompt_hold_steps``, prompts that arrive one step apart wait and prefill in one
+    step (one step outside the decode graphs instead of one each), and generate the same."""
+    # One prefill step takes all three (no chunking, no prefix shared between them).
+    settings = {"max_batch_size": 32, "prefill_chunk": 512, "reuse_prefixes": False}
+    held = make_engine(tiny_model_dir, prompt_hold_steps=150, **settings)
+    plain = make_engine(tiny_model_dir, prompt_hold_steps=0, **settings)
+    try:
+        assert held.prompt_hold_steps == 150
+        held_outs, held_prefills = await _trickle(held)
+        plain_outs, plain_prefills = await _trickle(plain)
+        assert held_outs == plain_outs
+        assert held_prefills == 2  # the long request's prompt, then the three together
+        # Without the hold each prompt prefills when it arrives (two may share a step).
+        assert plain_prefills >= 3
+    finally:
+        await held.close()
+        await plain.close()
+
+
+def test_prompts_are_held_only_where_decode_graphs_run(tiny_model_dir) -> None:
+    eng = make_engine(tiny_model_dir)
+    assert not eng.runner.graphs_enabled and eng.prompt_hold_steps == 0
+
+
 async def test_more_slots_than_positions(tiny_model_dir) -> None:
     """Many short requests at once: a decode batch wider than the context length."""
     eng = make_engine(tiny_model_dir, max_batch_size=24, max_model_len=16)
