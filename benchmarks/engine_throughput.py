@@ -328,6 +328,11 @@ def profile_step(
         "graph_error": runner.graph_error,
         "rows": rows,
         "decode_forward_ms": round(timed(lambda: runner.decode(slots, pos, toks)), 3),
+        # What the engine's decode step runs: inputs in, one replay (forward and sampling),
+        # tokens and logprobs out.
+        "decode_sampled_ms": round(
+            timed(lambda: runner.decode_sampled(slots, pos, toks, [1.0] * rows)), 3
+        ),
         "sample_ms": round(timed(lambda: sample(logits, batch)), 3),
         "sampling_params_build_ms": round(timed(params), 3),
         "tolist_ms": round(timed(lambda: sample(logits, batch).tokens.tolist()), 3),
