@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from areal_sdk.backends.embedded.model_runner import ModelRunner, RowInput
+from areal_sdk.backends.embedded.model_runner import DecodeLaunch, ModelRunner, RowInput
 from areal_sdk.backends.embedded.prefix_reuse import HeldPrefixes, best_source
 from areal_sdk.backends.embedded.request import Request, StreamChunk
 from areal_sdk.backends.embedded.sampler import SamplingBatch, sample
@@ -93,6 +93,10 @@ class EngineConfig:
     # together: one step outside the graphs for many prompts instead of one for each.
     # None: 16 where decode graphs run, else 0 (no hold).
     prompt_hold_steps: int | None = None
+    # Queue each decode step before reading the previous one's tokens (its inputs come from
+    # them on the device), so the host's bookkeeping overlaps the device's work. None: on
+    # where decode graphs run.
+    overlap_decode: bool | None = None
 
 
 @dataclass
@@ -157,6 +161,11 @@ class EmbeddedEngine(InferenceBackend):
         self.prompt_hold_steps = (16 if self.runner.graphs_enabled else 0) if hold is None else hold
         self._prompt_batch = max(1, self.config.max_batch_size // 8)
         self._held_for = 0  # steps the waiting prompts have been held
+        overlap = self.config.overlap_decode
+        self.overlap_decode = self.runner.graphs_enabled if overlap is None else overlap
+        # The decode step on the device whose tokens the host has not read yet: its launch,
+        # its requests and the weight version it samples with.
+        self._inflight: tuple[DecodeLaunch, list[Request], int] | None = None
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = _eos_ids(model, tokenizer)
         self._version = version
@@ -501,6 +510,8 @@ class EmbeddedEngine(InferenceBackend):
             # While paused (any mode) a new request waits in the queue until resume.
             self._waiting.append(payload)
             return None
+        # Every other command sees the requests as of the last step the device ran.
+        self._take_inflight()
         if kind == "abort":
             request = self._by_rid.get(payload)
             if request is not None:
@@ -624,6 +635,7 @@ class EmbeddedEngine(InferenceBackend):
             self._step()
         except Exception as exc:  # a failed forward fails the running batch, not the engine
             log.exception("engine step failed; failing the running requests")
+            self._inflight = None
             failed = list(self._active)
             self._active.clear()
             for request in failed:
@@ -669,6 +681,8 @@ class EmbeddedEngine(InferenceBackend):
                 budget -= take
                 row = RowInput(request.slot, request.num_computed, self._tokens(request, take))
                 prefill.append((request, row, take == remaining))
+        if self._overlapped(prefill, decode, version):
+            return
         stats = self._stats
         if prefill:
             stats.prefill_steps += 1
@@ -692,13 +706,22 @@ class EmbeddedEngine(InferenceBackend):
             tops: list[list[tuple[int, float]] | None] = [None] * len(sampled)
         else:
             sampled, token_list, logprob_list, tops = self._forward_and_sample(prefill, decode)
+        self._record(sampled, token_list, logprob_list, tops, version)
+
+    def _record(
+        self,
+        sampled: list[Request],
+        tokens: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]] | None],
+        version: int,
+    ) -> None:
+        """Append each request's new token; release and deliver the finished ones."""
         if not sampled:
             return
-        stats.sampled_tokens += len(token_list)
+        self._stats.sampled_tokens += len(tokens)
         finished = []
-        for request, token, logprob, top in zip(
-            sampled, token_list, logprob_list, tops, strict=True
-        ):
+        for request, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             request.append(token, logprob, version, self.tokenizer, top)
             if request.finish_reason is not None:
                 finished.append(request)
@@ -706,6 +729,72 @@ class EmbeddedEngine(InferenceBackend):
             self._active.remove(request)
             self._release(request)
         self._deliver(sampled)
+
+    def _overlapped(
+        self, prefill: list[tuple[Request, RowInput, bool]], decode: list[Request], version: int
+    ) -> bool:
+        """Run this step as an overlapped decode step where it is one, or first take the
+        tokens of the step in flight; False when the step is left to the plain path.
+
+        A decode step is queued before the host reads the previous one's tokens: its inputs
+        are those tokens, on the device. The requests that finish with them (a stop token,
+        their length) ride along in the queued step; their extra token is dropped, and they
+        write it to their own slot after their sequence (or to the scratch column), where no
+        one reads. Anything else (a prompt, a request joining, a command) first waits for
+        the step in flight."""
+        eligible = (
+            self.overlap_decode
+            and bool(decode)
+            and not prefill
+            and all(r.temperature_only for r in decode)
+        )
+        if self._inflight is not None:
+            launch, rows, _ = self._inflight
+            flying = {id(r) for r in rows}
+            nxt = None
+            if eligible and all(id(r) in flying for r in decode):
+                nxt = self.runner.continue_decode(launch, [r.slot for r in decode])
+            self._take_inflight()
+            if nxt is not None:
+                self._launched(nxt, decode, version)
+            return True  # with nothing queued, the next step starts from the new state
+        if not eligible:
+            return False
+        launch = self.runner.launch_decode(
+            [r.slot for r in decode],
+            [r.seq_len - 1 for r in decode],
+            [r.token_at(r.seq_len - 1) for r in decode],
+            [r.sampling.temperature for r in decode],
+        )
+        if launch is None:
+            return False
+        self._launched(launch, decode, version)
+        return True
+
+    def _launched(self, launch: DecodeLaunch, rows: list[Request], version: int) -> None:
+        self._inflight = (launch, rows, version)
+        self._stats.decode_steps += 1
+        self._stats.decode_rows += len(rows)
+
+    def _take_inflight(self) -> None:
+        """Wait for the decode step in flight, if any, and record its tokens (requests that
+        finished, or were aborted, since it was queued drop theirs)."""
+        if self._inflight is None:
+            return
+        launch, rows, version = self._inflight
+        self._inflight = None
+        tokens, logprobs = launch.result()
+        keep = [i for i, r in enumerate(rows) if r.finish_reason is None and r.slot is not None]
+        sampled = [rows[i] for i in keep]
+        for request in sampled:
+            request.num_computed += 1
+        self._record(
+            sampled,
+            [tokens[i] for i in keep],
+            [logprobs[i] for i in keep],
+            [None] * len(sampled),
+            version,
+        )
 
     def _forward_and_sample(
         self, prefill: list[tuple[Request, RowInput, bool]], decode: list[Request]

@@ -132,6 +132,9 @@ class ModelRunner:
         # Decode rows are slots 0..width-1: their indices, apart from the positions above
         # (there may be more slots than positions).
         self._slot_ids = torch.arange(num_slots, device=self.device)
+        # Host buffers the launched decode steps' tokens are copied into (launch_decode).
+        self._pinned_out: list[torch.Tensor] | None = None
+        self._pinned_flip = 0
         # Draws the noise of the decode graphs' sampling; a graph-safe generator of its own,
         # apart from the one the engine samples with eagerly.
         self.graph_generator = torch.Generator(device=self.device)
@@ -331,6 +334,82 @@ class ModelRunner:
         out = graph.run_sampled(packed).tolist()
         return [int(out[0][s]) for s in slots], [out[1][s] for s in slots]
 
+    @torch.inference_mode()
+    def launch_decode(
+        self, slots: list[int], positions: list[int], tokens: list[int], temperatures: list[float]
+    ) -> DecodeLaunch | None:
+        """``decode_sampled`` without waiting for it: the step is queued on the device and
+        its tokens come from ``DecodeLaunch.result()``. Where no sampling graph covers the
+        step it runs eagerly, and the launch holds its tokens already."""
+        width, graph, _ = self._decode_shape(slots, positions)
+        if graph is None or graph.sampled is None:
+            return self._eager_launch(slots, positions, tokens, temperatures)
+        ids, pos, write = self._decode_rows(width, slots, positions, tokens)
+        temperature = [1.0] * width
+        for slot, t in zip(slots, temperatures, strict=True):
+            temperature[slot] = t
+        graph.inputs.copy_(to_device([ids, pos, write, temperature], torch.float64, self.device))
+        return self._replay(graph, slots, positions)
+
+    @torch.inference_mode()
+    def continue_decode(self, previous: DecodeLaunch, slots: list[int]) -> DecodeLaunch | None:
+        """The next decode step of ``slots`` (rows of ``previous``), fed on the device from the
+        tokens ``previous`` samples: queued before the host has read them, so the host's
+        bookkeeping of one step overlaps the device's next. Rows of ``previous`` left out
+        (finished requests) write to the scratch column. None where no graph covers it."""
+        at = dict(zip(previous.slots, previous.positions, strict=True))
+        positions = [at[slot] + 1 for slot in slots]
+        source = previous.graph
+        if source is None:  # an eager launch: its tokens are on the host already
+            tokens, _ = previous.result()
+            sampled = dict(zip(previous.slots, tokens, strict=True))
+            assert previous.temperature_of is not None
+            temperatures = [previous.temperature_of[s] for s in slots]
+            return self._eager_launch(slots, positions, [sampled[s] for s in slots], temperatures)
+        kv_needed = max(positions) + 1
+        kv_len = next((b for b in self._kv_buckets if b >= kv_needed), None)
+        graph = None if kv_len is None else self._graph(previous.width, kv_len)
+        if graph is None or graph.sampled is None:
+            return None
+        live = torch.zeros(previous.width, dtype=torch.bool)
+        live[slots] = True
+        live = live.pin_memory().to(self.device, non_blocking=True)
+        scratch = float(self.cache.scratch)
+        graph.inputs[0].copy_(source.sampled[0])
+        graph.inputs[1].copy_(source.inputs[1] + live)
+        graph.inputs[2].copy_(torch.where(live, source.inputs[2] + 1, scratch))
+        if graph is not source:
+            graph.inputs[3].copy_(source.inputs[3])
+        return self._replay(graph, slots, positions)
+
+    def _eager_launch(
+        self, slots: list[int], positions: list[int], tokens: list[int], temperatures: list[float]
+    ) -> DecodeLaunch:
+        logits = self.decode(slots, positions, tokens)
+        temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
+        ids, logprobs = sample_temperature(logits, temperature, self.graph_generator)
+        # Indexed by slot, as a graph's output of that width.
+        width = max(slots) + 1
+        host = torch.zeros(2, width, dtype=torch.float64)
+        host[:, slots] = torch.stack([ids.double(), logprobs.double()]).cpu()
+        temperature_of = dict(zip(slots, temperatures, strict=True))
+        return DecodeLaunch(slots, positions, None, width, host, None, temperature_of)
+
+    def _replay(self, graph: _DecodeGraph, slots: list[int], positions: list[int]) -> DecodeLaunch:
+        graph.graph.replay()
+        # Two pinned buffers in turn: a step's tokens land in one while the host reads the
+        # previous step's from the other.
+        if self._pinned_out is None:
+            self._pinned_out = [
+                torch.empty(2, self.num_slots, dtype=torch.float64).pin_memory() for _ in range(2)
+            ]
+        self._pinned_flip ^= 1
+        host = self._pinned_out[self._pinned_flip][:, : graph.width]
+        host.copy_(graph.sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return DecodeLaunch(slots, positions, graph, graph.width, host, done)
+
     def _decode_shape(
         self, slots: list[int], positions: list[int]
     ) -> tuple[int, _DecodeGraph | None, int]:
@@ -446,6 +525,28 @@ def _buckets(num_slots: int) -> list[int]:
     return out
 
 
+@dataclass
+class DecodeLaunch:
+    """A decode step queued on the device: its rows' slots and positions, and where its
+    sampled tokens and logprobs arrive (``result()`` waits for them)."""
+
+    slots: list[int]
+    positions: list[int]
+    graph: _DecodeGraph | None  # None: run eagerly, ``host`` holds the tokens already
+    width: int
+    host: torch.Tensor  # [2, width] float64 by slot: ids, logprobs (pinned for a graph's)
+    done: torch.cuda.Event | None
+    # An eager launch's temperatures by slot (a graph's stay in its inputs on the device).
+    temperature_of: dict[int, float] | None = None
+
+    def result(self) -> tuple[list[int], list[float]]:
+        """The tokens and logprobs of ``slots``, in order (waits for the step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        ids, logprobs = self.host.tolist()
+        return [int(ids[s]) for s in self.slots], [logprobs[s] for s in self.slots]
+
+
 class _DecodeGraph:
     """A CUDA graph of one decode step for ``width`` rows, attending over the first
     ``kv_len`` positions of each row's cache. It leaves the step's logits in ``logits`` and,
@@ -455,6 +556,7 @@ class _DecodeGraph:
     def __init__(self, runner: ModelRunner, width: int, kv_len: int, pool: Any) -> None:
         dev = runner.device
         self.runner = runner
+        self.width = width
         # The graph's static inputs, one row each: ids, positions, cache write positions
         # (integers, exact in float64) and temperatures.
         self.inputs = torch.zeros(4, width, dtype=torch.float64, device=dev)

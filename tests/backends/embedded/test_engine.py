@@ -216,6 +216,51 @@ def test_prompts_are_held_only_where_decode_graphs_run(tiny_model_dir) -> None:
     assert not eng.runner.graphs_enabled and eng.prompt_hold_steps == 0
 
 
+async def test_overlapped_decode_generates_what_the_plain_loop_does(tiny_model_dir) -> None:
+    """``overlap_decode`` queues each decode step before the host reads the previous one's
+    tokens (on CPU the launches run eagerly; the engine's bookkeeping is the same as with
+    CUDA graphs): requests that finish by length or stop token mid-batch drop the step that
+    rode along, and every output is the plain loop's, token for token."""
+    overlapped = make_engine(tiny_model_dir, overlap_decode=True)
+    plain = make_engine(tiny_model_dir, overlap_decode=False)
+    assert plain.overlap_decode is False and overlapped.overlap_decode is True
+    try:
+        items = prompts(plain, 12)
+        free = await plain.generate(items[5], GREEDY)
+        stop = free.output_ids[2]
+        samplings = [
+            SamplingParams(max_new_tokens=3 + (5 * i) % 11, temperature=0.0, ignore_eos=True)
+            for i in range(12)
+        ]
+        samplings[5] = samplings[5].model_copy(update={"stop_token_ids": [stop]})
+        outs = {}
+        for eng in (plain, overlapped):
+            before = eng.stats()
+            outs[eng] = await asyncio.gather(
+                *(eng.generate(p, s) for p, s in zip(items, samplings, strict=True))
+            )
+            sampled = eng.stats().sampled_tokens - before.sampled_tokens
+            assert sampled == sum(len(o.output_ids) for o in outs[eng])
+        for a, b, s in zip(outs[plain], outs[overlapped], samplings, strict=True):
+            assert b.output_ids == a.output_ids and b.finish_reason == a.finish_reason
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+            assert len(b.output_ids) == s.max_new_tokens or b.finish_reason == "stop"
+        assert outs[overlapped][5].output_ids[-1] == stop
+        # A request aborted while its step is in flight ends; the others go on.
+        long = SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True)
+        stream = overlapped.stream(items[1], long, request_id="gone")
+        other = asyncio.create_task(overlapped.generate(items[2], long))
+        async for chunk in stream:
+            if chunk.ids:
+                break
+        await stream.aclose()
+        assert len((await other).output_ids) == 150
+        assert overlapped.num_running == 0
+    finally:
+        await overlapped.close()
+        await plain.close()
+
+
 async def test_more_slots_than_positions(tiny_model_dir) -> None:
     """Many short requests at once: a decode batch wider than the context length."""
     eng = make_engine(tiny_model_dir, max_batch_size=24, max_model_len=16)
