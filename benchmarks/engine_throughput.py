@@ -74,6 +74,7 @@ def bench_engine(
     fused: bool | None = None,
     flash_decode: bool | None = None,
     variant_suffix: str = "",
+    overlap: bool | None = None,
 ) -> dict:
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
@@ -93,10 +94,12 @@ def bench_engine(
             packed_weights=packed,
             fused_decoder=fused,
             flash_decode=flash_decode,
+            overlap_decode=overlap,
         ),
     )
     # Read now: close() gives the model its own layers back.
     fused_on, flash_on = engine.runner.fused is not None, engine.runner.flash_decode
+    overlap_on = engine.overlap_decode
     vocab = engine.vocab_size
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
     captured = engine.runner.capture_graphs()
@@ -132,6 +135,7 @@ def bench_engine(
         "variant": variant,
         "fused_decoder": fused_on,
         "flash_decode": flash_on,
+        "overlap_decode": overlap_on,
         "concurrency": concurrency,
         "seconds": round(elapsed, 3),
         "output_tokens": tokens,
@@ -467,6 +471,12 @@ def main() -> None:
         help="also the top level with flash decode attention (default: masked SDPA)",
     )
     parser.add_argument(
+        "--no-overlap-too",
+        action="store_true",
+        help="also the top level reading each decode step's tokens before queuing the next "
+        "(EngineConfig.overlap_decode off)",
+    )
+    parser.add_argument(
         "--torch-sampler-too",
         action="store_true",
         help="also the top level sampling with torch ops instead of the one-pass Triton kernel "
@@ -536,6 +546,8 @@ def main() -> None:
         part(bench_engine, model, args, levels[-1], fused=False, flash_decode=False)
     if args.unpacked_too and levels:
         part(bench_engine, model, args, levels[-1], packed=False)
+    if args.no_overlap_too and levels:
+        part(bench_engine, model, args, levels[-1], overlap=False, variant_suffix="_no_overlap")
     if args.torch_sampler_too and levels:
         with torch_sampler():
             part(bench_engine, model, args, levels[-1], variant_suffix="_torch_sampler")
