@@ -117,10 +117,7 @@ class _Child:
             return None
         raise ValueError(f"unknown train process request {op!r}")
 
-    def _next_bucket(self, read: int) -> tuple[bytes, list[list[object]]] | None:
-        from areal_sdk.backends.weight_sync.base import cast_bucket, flatten_bucket
-        from areal_sdk.backends.weight_sync.cuda_ipc import serialize_tensor
-
+    def _next_bucket(self, read: int) -> SharedBucket | None:
         buckets = self._reads.get(read)
         if buckets is None:
             raise RuntimeError("sync_next without sync_begin")
@@ -128,13 +125,7 @@ class _Child:
         if bucket is None:
             del self._reads[read]
             return None
-        flat, metas = flatten_bucket(cast_bucket(bucket, self.sync_dtype))
-        if flat.is_cuda:
-            # The parent reads this memory from another process: no stream order there.
-            torch.cuda.current_stream(flat.device).synchronize()
-        else:
-            flat.share_memory_()
-        return serialize_tensor(flat), [m.to_json() for m in metas]
+        return share_bucket(bucket, self.sync_dtype)
 
     def serve(self) -> None:
         while True:
@@ -152,6 +143,35 @@ class _Child:
                 self.conn.send(_error_reply(exc))
                 continue
             self.conn.send(("ok", result, self.state()))
+
+
+# A bucket as another process on this machine opens it: the handle of one flat buffer (CUDA
+# IPC, or shared CPU memory) and each tensor's place in it (``TensorMeta.to_json``).
+SharedBucket = tuple[bytes, list[list[object]]]
+
+
+def share_bucket(bucket: NamedTensors, dtype: torch.dtype | None) -> SharedBucket:
+    """``bucket`` (cast to ``dtype``) flattened into one buffer that another process on this
+    machine opens without a copy: CUDA IPC for a GPU's, shared memory for the CPU's."""
+    from areal_sdk.backends.weight_sync.base import cast_bucket, flatten_bucket
+    from areal_sdk.backends.weight_sync.cuda_ipc import serialize_tensor
+
+    flat, metas = flatten_bucket(cast_bucket(bucket, dtype))
+    if flat.is_cuda:
+        # The reader opens this memory from another process: no stream order there.
+        torch.cuda.current_stream(flat.device).synchronize()
+    else:
+        flat.share_memory_()
+    return serialize_tensor(flat), [m.to_json() for m in metas]
+
+
+def open_bucket(shared: SharedBucket) -> NamedTensors:
+    """The named tensors of a ``share_bucket`` from another process: views, no copy."""
+    from areal_sdk.backends.weight_sync.base import TensorMeta, unflatten_bucket
+    from areal_sdk.backends.weight_sync.cuda_ipc import deserialize_tensor
+
+    payload, metas = shared
+    return unflatten_bucket(deserialize_tensor(payload), [TensorMeta.from_json(m) for m in metas])
 
 
 def _error_reply(exc: BaseException) -> tuple[str, Any, str, str]:
@@ -327,18 +347,13 @@ class TrainProcess(RemoteBackend):
 
     def state_for_sync(self, bucket_bytes: int) -> Iterator[NamedTensors]:
         """The child's buckets as views of its shared buffers (cast to ``weights.dtype``)."""
-        from areal_sdk.backends.weight_sync.base import TensorMeta, unflatten_bucket
-        from areal_sdk.backends.weight_sync.cuda_ipc import deserialize_tensor
-
         read = self._call("sync_begin", bucket_bytes)
         try:
             while True:
                 reply = self._call("sync_next", read)
                 if reply is None:
                     return
-                payload, metas = reply
-                flat = deserialize_tensor(payload)
-                yield unflatten_bucket(flat, [TensorMeta.from_json(m) for m in metas])
+                yield open_bucket(reply)
         finally:
             if not self._closed:
                 self._call("sync_end", read)

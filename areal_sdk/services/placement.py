@@ -67,7 +67,8 @@ def for_placement(cfg: Config, placement: Placement) -> Config:
 def _for_ray(cfg: Config) -> Config:
     """Engine servers, rollout workers and trainer ranks as Ray actors; weights reach the
     servers on other machines as safetensors in the run directory (a shared path), or by
-    ``broadcast`` from the run's process at an address every node reaches."""
+    ``broadcast`` from the run's process at an address every node reaches; ``cuda_ipc``
+    where every actor shares this machine's GPUs."""
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
@@ -79,19 +80,33 @@ def _for_ray(cfg: Config) -> Config:
             "run.placement=ray runs the trainer in a process of its own; "
             "remove train.separate_process=false"
         )
-    if cfg.weights.method not in ("in_process", "disk", "broadcast"):
+    if cfg.weights.method not in ("in_process", "disk", "broadcast", "cuda_ipc"):
         raise PlacementError(
             f"weights.method={cfg.weights.method} does not reach engine servers on other "
             "machines; run.placement=ray pushes weights with disk (the run directory, "
-            "shared) or broadcast"
+            "shared), broadcast, or cuda_ipc on one machine"
+        )
+    if cfg.weights.method == "cuda_ipc" and not (
+        cfg.train.device.startswith("cuda") and cfg.inference.device.startswith("cuda")
+    ):
+        raise PlacementError(
+            "weights.method=cuda_ipc shares GPU memory: it needs train.device and "
+            "inference.device on CUDA"
         )
     train = cfg.train.model_copy(update={"separate_process": True})
-    if cfg.weights.method == "broadcast":
+    if cfg.weights.method == "cuda_ipc":
+        # One machine whose GPUs the actors share (fractional num_gpus): trainer rank 0
+        # hands its buckets to this process as IPC handles, which passes them on to the
+        # engine servers (every one on this node; a handle opens nowhere else).
+        update: dict[str, object] = {}
+        if cfg.weights.dtype == "auto":
+            update["dtype"] = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+    elif cfg.weights.method == "broadcast":
         from areal_sdk.services.ray_placement import reachable_addr
 
         # The run's process is rank 0 of the weight group: engines on every node dial it.
         update = {"master_addr": reachable_addr(cfg.weights.master_addr)}
-    else:
+    else:  # in_process (the default) or disk
         update = {"method": "disk"}
     weights = cfg.weights.model_copy(update=update)
     return cfg.model_copy(update={"train": train, "weights": weights})

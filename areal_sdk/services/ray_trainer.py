@@ -49,7 +49,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from areal_sdk.launcher import LaunchError
 from areal_sdk.services.ray_placement import NodeInfo, RayPlacement, first_line, free_port
 from areal_sdk.train_backend import LossFn, NamedTensors, TrainBackend
-from areal_sdk.train_process import RemoteBackend, TrainProcessError
+from areal_sdk.train_process import (
+    RemoteBackend,
+    SharedBucket,
+    TrainProcessError,
+    open_bucket,
+    share_bucket,
+)
 
 if TYPE_CHECKING:
     from areal_sdk.config import Config
@@ -89,6 +95,9 @@ class TrainRankActor:
         )
         self.backend: TrainBackend | None = None
         self.sync_dtype: torch.dtype | None = None
+        # weights.method cuda_ipc: rank 0 hands its buckets to the run's process on this
+        # node as CUDA IPC handles instead of copies through Ray.
+        self.share_on_node = False
         self.reads: dict[int, Iterator[NamedTensors]] = {}
         self.read_ids = itertools.count()
         self.closed = threading.Event()
@@ -114,6 +123,7 @@ class TrainRankActor:
         cfg = Config.model_validate(config)
         self.backend = get_host().train_backend(cfg.train.backend)(cfg)
         self.sync_dtype = sync_dtype(cfg.weights.dtype)
+        self.share_on_node = cfg.weights.method == "cuda_ipc"
         return self.state()
 
     def state(self) -> dict[str, Any]:
@@ -148,8 +158,11 @@ class TrainRankActor:
             raise ValueError(f"unknown trainer rank request {op!r}")
         return result, self.state()
 
-    def _next_bucket(self, b: TrainBackend, read: int) -> tuple[bool, NamedTensors | None]:
-        """(whether there was a bucket, rank 0's copy of it): every rank gathers."""
+    def _next_bucket(
+        self, b: TrainBackend, read: int
+    ) -> tuple[bool, NamedTensors | SharedBucket | None]:
+        """(whether there was a bucket, rank 0's copy of it, or its handle with
+        ``share_on_node``): every rank gathers."""
         from areal_sdk.backends.weight_sync.base import cast_bucket
 
         buckets = self.reads.get(read)
@@ -161,6 +174,8 @@ class TrainRankActor:
             return False, None
         if b.rank != 0:
             return True, None
+        if self.share_on_node:
+            return True, share_bucket(bucket, self.sync_dtype)
         return True, [(n, t.detach().cpu()) for n, t in cast_bucket(bucket, self.sync_dtype)]
 
     def close(self) -> None:
@@ -426,7 +441,7 @@ class RayTrainGroup(RemoteBackend):
                 more, bucket = self._call("sync_next", read)
                 if not more:
                     return
-                yield bucket
+                yield open_bucket(bucket) if self.cfg.weights.method == "cuda_ipc" else bucket
         finally:
             if not self._closed and self._failure is None:
                 self._call("sync_end", read)

@@ -24,12 +24,20 @@ def test_processes_moves_the_trainer_out_and_weights_across_processes():
     assert chosen.weights.method == "broadcast"  # a method the user chose stays
 
 
+def test_ray_keeps_cuda_ipc_for_actors_sharing_one_machines_gpus():
+    pytest.importorskip("ray")
+    cuda = ["train.device=cuda", "inference.device=cuda", "weights.method=cuda_ipc"]
+    ipc = for_placement(load_config(None, cuda), "ray")
+    assert ipc.weights.method == "cuda_ipc" and ipc.weights.dtype == "bfloat16"
+    assert for_placement(load_config(None, cuda[:2]), "ray").weights.method == "disk"
+
+
 @pytest.mark.parametrize(
     ("overrides", "placement", "message"),
     [
         (["train.separate_process=false"], "processes", "train.separate_process=false"),
         (["inference.servers=2"], "inprocess", "inference.servers=2 needs"),
-        (["weights.method=cuda_ipc"], "ray", "does not reach engine servers on other"),
+        (["weights.method=cuda_ipc"], "ray", "cuda_ipc shares GPU memory: it needs"),
     ],
 )
 def test_placements_a_config_cannot_run_say_what_to_change(overrides, placement, message):

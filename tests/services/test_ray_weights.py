@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_sdk.config import load_config
 from areal_sdk.services.health import Phase
-from areal_sdk.services.placement import PlacementError, for_placement
+from areal_sdk.services.placement import for_placement
 from areal_sdk.store import TrajectoryStore
 from tests.services.test_processes_run import LiveRun, _assert_trained_once
 
@@ -171,8 +171,3 @@ def test_broadcast_under_ray_dials_the_run_at_this_nodes_ip(monkeypatch):
     assert (cfg.weights.method, cfg.weights.master_addr) == ("broadcast", "10.0.0.1")
     chosen = load_config(None, ["weights.method=broadcast", "weights.master_addr=head.cluster"])
     assert for_placement(chosen, "ray").weights.master_addr == "head.cluster"
-
-
-def test_cuda_ipc_under_ray_is_refused_naming_the_methods_that_work():
-    with pytest.raises(PlacementError, match="disk .* or broadcast"):
-        for_placement(load_config(None, ["weights.method=cuda_ipc"]), "ray")

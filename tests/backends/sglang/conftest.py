@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -7,6 +10,8 @@ import pytest
 from areal_sdk.backends.embedded import EmbeddedEngine
 from areal_sdk.backends.sglang import SGLangBackend
 
+from areal_sdk.config import Config
+from areal_sdk.plugin_host import get_host
 from tests.backends.embedded.conftest import engine_server, make_engine
 
 # A stand-in for SGLang's `python -m sglang.launch_server` (which cannot run on these
@@ -32,6 +37,37 @@ engine = EmbeddedEngine.from_pretrained(
 )
 uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
 """
+
+
+def launching_config(model_dir: Path, run_dir: Path, **inference: object) -> Config:
+    """A config that launches two (fake) SGLang servers and pushes weights by broadcast."""
+    return Config.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "inference": {
+                "backend": "sglang",
+                "sglang_python": sys.executable,
+                "sglang_servers": 2,
+                "launch_timeout_s": 120,
+                **inference,
+            },
+            "weights": {"method": "broadcast", "timeout_s": 60},
+            "run": {"dir": str(run_dir)},
+        }
+    )
+
+
+@contextlib.contextmanager
+def launched_servers(cfg: Config, fake_sglang_path: Path) -> Iterator[SGLangBackend]:
+    """The SGLang backend of ``cfg`` with its servers launched; closed after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(fake_sglang_path))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        backend = get_host().inference_backend("sglang")(cfg)
+    try:
+        yield backend
+    finally:
+        asyncio.run(backend.close())
 
 
 @pytest.fixture(scope="session")

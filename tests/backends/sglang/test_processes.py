@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from areal_sdk.backends.weight_sync import make_weight_sync
 
 from areal_sdk.config import Config
 from areal_sdk.inference import SamplingParams
-from areal_sdk.plugin_host import get_host
+from tests.backends.sglang.conftest import launched_servers, launching_config
 from tests.backends.train.common import FIXED_SEQUENCE, loss_fn, micro_batches, single, train_config
 
 
@@ -33,30 +32,15 @@ from tests.backends.train.common import FIXED_SEQUENCE, loss_fn, micro_batches, 
 def launched(
     tiny_model_dir: Path, fake_sglang_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[SGLangBackend, Config]]:
-    cfg = Config.model_validate(
-        {
-            "model": {"path": str(tiny_model_dir)},
-            "inference": {
-                "backend": "sglang",
-                "sglang_python": sys.executable,
-                "sglang_servers": 2,
-                "sglang_args": ["--mem-fraction-static", "0.5"],
-                "launch_timeout_s": 120,
-                "request_timeout_s": 60,
-                "retries": 1,
-            },
-            "weights": {"method": "broadcast", "timeout_s": 60},
-            "run": {"dir": str(tmp_path_factory.mktemp("run"))},
-        }
+    cfg = launching_config(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("run"),
+        sglang_args=["--mem-fraction-static", "0.5"],
+        request_timeout_s=60,
+        retries=1,
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", str(fake_sglang_path))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        backend = get_host().inference_backend("sglang")(cfg)
-    try:
+    with launched_servers(cfg, fake_sglang_path) as backend:
         yield backend, cfg
-    finally:
-        asyncio.run(backend.close())
 
 
 async def test_launcher_starts_servers_keeps_logs_and_serves(launched) -> None:
