@@ -373,7 +373,7 @@ class ModelRunner:
             return None
         live = torch.zeros(previous.width, dtype=torch.bool)
         live[slots] = True
-        live = live.pin_memory().to(self.device, non_blocking=True)
+        live = _pinned(live, self.device.type == "cuda").to(self.device, non_blocking=True)
         scratch = float(self.cache.scratch)
         graph.inputs[0].copy_(source.sampled[0])
         graph.inputs[1].copy_(source.inputs[1] + live)
@@ -397,17 +397,19 @@ class ModelRunner:
 
     def _replay(self, graph: _DecodeGraph, slots: list[int], positions: list[int]) -> DecodeLaunch:
         graph.graph.replay()
+        cuda = self.device.type == "cuda"
         # Two pinned buffers in turn: a step's tokens land in one while the host reads the
         # previous step's from the other.
         if self._pinned_out is None:
             self._pinned_out = [
-                torch.empty(2, self.num_slots, dtype=torch.float64).pin_memory() for _ in range(2)
+                _pinned(torch.empty(2, self.num_slots, dtype=torch.float64), cuda) for _ in range(2)
             ]
         self._pinned_flip ^= 1
         host = self._pinned_out[self._pinned_flip][:, : graph.width]
         host.copy_(graph.sampled, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
         return DecodeLaunch(slots, positions, graph, graph.width, host, done)
 
     def _decode_shape(
@@ -504,6 +506,11 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Forget captured graphs. Weight updates copy in place, so they never need this."""
         self._graphs.clear()
+
+
+def _pinned(tensor: torch.Tensor, cuda: bool) -> torch.Tensor:
+    """``tensor`` in page-locked memory where a CUDA copy reads or writes it asynchronously."""
+    return tensor.pin_memory() if cuda else tensor
 
 
 def kv_len_buckets(max_len: int) -> list[int]:
