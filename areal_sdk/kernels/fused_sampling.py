@@ -51,36 +51,31 @@ def _sample_slices_kernel(
     seed = tl.load(seed_ptr + row)
     start = split * cols_per_split
     end = tl.minimum(start + cols_per_split, vocab)
-    # Per-lane running state, reduced once after the loop: a reduction per block would
-    # synchronise the program's warps on every iteration. The finite floor keeps a lane
-    # that never saw a column from turning exp(-inf - -inf) into NaN.
-    lane_max = tl.full((BLOCK,), -1e30, tl.float32)
-    lane_sum = tl.zeros((BLOCK,), tl.float32)
-    lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    lane_col = tl.zeros((BLOCK,), tl.int32)
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_col = start
     for lo in range(start, end, BLOCK):
         cols = lo + tl.arange(0, BLOCK)
         inside = cols < end
         x = tl.load(logits_ptr + row * row_stride + cols, mask=inside, other=float("-inf"))
         x = x.to(tl.float32) * inv_t
-        new_max = tl.maximum(lane_max, x)
-        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max)
-        lane_max = new_max
+        block_max = tl.max(x, 0)
+        new_max = tl.maximum(run_max, block_max)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        run_max = new_max
         u = tl.rand(seed, cols)
         u = tl.minimum(tl.maximum(u, 1e-10), 1.0 - 1e-7)
         noisy = tl.where(greedy, x, x - tl.log(-tl.log(u)))
         noisy = tl.where(inside, noisy, float("-inf"))
-        take = noisy > lane_best  # strictly: a lane keeps its first column of equal scores
-        lane_col = tl.where(take, cols, lane_col)
-        lane_best = tl.where(take, noisy, lane_best)
-    top = tl.max(lane_max, 0)
-    total = tl.sum(lane_sum * tl.exp(lane_max - top), 0)
-    best = tl.max(lane_best, 0)
-    # The first column of the best score, as torch.argmax.
-    best_col = tl.min(tl.where(lane_best == best, lane_col, vocab), 0)
+        block_best = tl.max(noisy, 0)
+        block_col = lo + tl.argmax(noisy, 0)
+        take = block_best > best  # strictly: the first column of equal scores wins
+        best_col = tl.where(take, block_col, best_col)
+        best = tl.where(take, block_best, best)
     out = split * rows + row
-    tl.store(max_ptr + out, top)
-    tl.store(sum_ptr + out, total)
+    tl.store(max_ptr + out, run_max)
+    tl.store(sum_ptr + out, run_sum)
     tl.store(score_ptr + out, best)
     tl.store(choice_ptr + out, best_col)
 
