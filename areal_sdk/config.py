@@ -154,6 +154,11 @@ class InferenceConfig(Section):
         "outside the decode graphs once instead of once each (default 16 with CUDA graphs, "
         "else 0)",
     )
+    overlap_decode: bool | None = Field(
+        None,
+        description="embedded engine: queue each decode step before reading the previous "
+        "one's tokens, so host bookkeeping overlaps the GPU (default on with CUDA graphs)",
+    )
     recompute_kv_on_update: bool = Field(
         True,
         description="embedded engine: after a weight push, in-flight requests recompute their "

@@ -64,6 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "and prefill together (default 16 with CUDA graphs, else 0)",
     )
     parser.add_argument(
+        "--overlap-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue each decode step before reading the previous one's tokens "
+        "(default: on with CUDA graphs)",
+    )
+    parser.add_argument(
         "--recompute-kv-on-update",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -139,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                     prefill_chunk=args.prefill_chunk,
                     cuda_graphs=args.cuda_graphs,
                     prompt_hold_steps=args.prompt_hold_steps,
+                    overlap_decode=args.overlap_decode,
                     recompute_kv_on_update=args.recompute_kv_on_update,
                     reuse_prefixes=args.reuse_prefixes,
                 ),

@@ -430,6 +430,8 @@ class EngineFleet:
             cmd.append("--cuda-graphs" if inference.cuda_graphs else "--no-cuda-graphs")
         if inference.prompt_hold_steps is not None:
             cmd += ["--prompt-hold-steps", str(inference.prompt_hold_steps)]
+        if inference.overlap_decode is not None:
+            cmd.append("--overlap-decode" if inference.overlap_decode else "--no-overlap-decode")
         if not inference.recompute_kv_on_update:
             cmd.append("--no-recompute-kv-on-update")
         if not inference.reuse_prefixes:

@@ -39,6 +39,7 @@ def create_engine(config: Config) -> EmbeddedEngine:
             prefill_chunk=inference.prefill_chunk,
             cuda_graphs=inference.cuda_graphs,
             prompt_hold_steps=inference.prompt_hold_steps,
+            overlap_decode=inference.overlap_decode,
             recompute_kv_on_update=inference.recompute_kv_on_update,
             reuse_prefixes=inference.reuse_prefixes,
         ),
