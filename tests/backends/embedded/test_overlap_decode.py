@@ -70,12 +70,10 @@ def with_stand_in_graphs(runner: ModelRunner) -> dict[tuple[int, int], ReplayedO
     return graphs
 
 
-def test_continued_steps_equal_steps_fed_from_the_host(tiny_model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    runner = ModelRunner(model, num_slots=4, max_len=200)
-    graphs = with_stand_in_graphs(runner)
+def assert_continued_steps_match_host_fed(runner: ModelRunner, steps: int, leave_at: int) -> None:
+    """Greedy decode of four rows, fed from the host step by step and then launched and
+    continued on the device, with row 2 leaving after ``leave_at`` steps: the same tokens,
+    and none for row 2 after it left."""
     starts = [[1, 5, 9, 13], [2, 4, 6], [3, 3, 3, 3, 3], [7, 8]]
 
     def prefill() -> list[int]:
@@ -84,7 +82,7 @@ def test_continued_steps_equal_steps_fed_from_the_host(tiny_model_dir: Path) -> 
 
     positions, tokens = prefill(), [p[-1] for p in starts]
     host_steps = []
-    for _ in range(130):  # crosses the 128-position cache bucket
+    for _ in range(steps):
         drawn = runner.decode_sampled([0, 1, 2, 3], positions, tokens, [0.0] * 4)
         assert drawn is not None
         tokens = drawn[0]
@@ -93,21 +91,29 @@ def test_continued_steps_equal_steps_fed_from_the_host(tiny_model_dir: Path) -> 
 
     launch = runner.launch_decode([0, 1, 2, 3], prefill(), [p[-1] for p in starts], [0.0] * 4)
     device_steps = []
-    for step in range(130):
+    for step in range(steps):
         assert launch is not None and launch.graph is not None
-        slots = [0, 1, 3] if step >= 40 else [0, 1, 2, 3]  # row 2 leaves after 40 steps
-        nxt = runner.continue_decode(launch, slots) if step < 129 else None
+        slots = [0, 1, 3] if step >= leave_at else [0, 1, 2, 3]
+        nxt = runner.continue_decode(launch, slots) if step < steps - 1 else None
         device_steps.append(dict(zip(launch.slots, launch.result()[0], strict=True)))
         launch = nxt
-    assert {kv for _, kv in graphs} == {128, 201}  # both cache-length buckets served
     for step, (host, device) in enumerate(zip(host_steps, device_steps, strict=True)):
         assert [device[s] for s in (0, 1, 3)] == [host[s] for s in (0, 1, 3)], step
-        assert (2 in device) == (step <= 40)
-        if step <= 40:
+        assert (2 in device) == (step <= leave_at)
+        if step <= leave_at:
             assert device[2] == host[2], step
+
+
+def test_continued_steps_equal_steps_fed_from_the_host(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    runner = ModelRunner(model, num_slots=4, max_len=200)
+    graphs = with_stand_in_graphs(runner)
+    assert_continued_steps_match_host_fed(runner, steps=130, leave_at=40)
+    assert {kv for _, kv in graphs} == {128, 201}  # crossed the 128-position cache bucket
     # The row that left writes its later steps to the scratch column, not its own cache.
-    last = graphs[4, 201]
-    assert last.inputs[2, 2] == runner.cache.scratch
+    assert graphs[4, 201].inputs[2, 2] == runner.cache.scratch
 
 
 async def _outputs(eng: EmbeddedEngine) -> list[list[int]]:

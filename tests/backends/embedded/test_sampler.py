@@ -109,40 +109,13 @@ def test_decode_graph_samples_inside_the_graph(tiny_model_dir: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode graphs need CUDA")
 def test_continued_decode_steps_equal_steps_fed_from_the_host(tiny_model_dir: Path) -> None:
-    """``continue_decode`` feeds a step from the previous step's tokens on the device: greedy
-    rows produce what steps fed from the host produce, and a row left out stops."""
+    """``continue_decode`` feeds a step from the previous step's tokens on the device, in the
+    real CUDA graphs: greedy rows produce what steps fed from the host produce (across the
+    128-position cache bucket), and a row left out stops."""
     from transformers import AutoModelForCausalLM
+
+    from tests.backends.embedded.test_overlap_decode import assert_continued_steps_match_host_fed
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
     runner = ModelRunner(model, num_slots=4, max_len=200)
-    prompts = [[1, 5, 9, 13], [2, 4, 6], [3, 3, 3, 3, 3], [7]]
-
-    def prefill() -> list[int]:
-        rows = [RowInput(slot=s, start=0, tokens=p[:-1]) for s, p in enumerate(prompts)]
-        runner.forward(rows)
-        return [len(p) - 1 for p in prompts]
-
-    # From the host: each step's tokens read back and fed to the next.
-    positions, tokens = prefill(), [p[-1] for p in prompts]
-    host_steps = []
-    for _ in range(140):  # crosses the 128-position cache bucket
-        drawn = runner.decode_sampled([0, 1, 2, 3], positions, tokens, [0.0] * 4)
-        assert drawn is not None
-        tokens = drawn[0]
-        host_steps.append(tokens)
-        positions = [p + 1 for p in positions]
-    # On the device: launched, then continued; row 2 leaves after 50 steps.
-    positions = prefill()
-    launch = runner.launch_decode([0, 1, 2, 3], positions, [p[-1] for p in prompts], [0.0] * 4)
-    device_steps = []
-    for step in range(140):
-        assert launch is not None and launch.graph is not None
-        slots = [0, 1, 3] if step >= 50 else [0, 1, 2, 3]
-        nxt = runner.continue_decode(launch, slots) if step < 139 else None
-        device_steps.append(dict(zip(launch.slots, launch.result()[0], strict=True)))
-        launch = nxt
-    for step, (host, device) in enumerate(zip(host_steps, device_steps, strict=True)):
-        assert [device[s] for s in (0, 1, 3)] == [host[s] for s in (0, 1, 3)], step
-        assert (2 in device) == (step <= 50)
-        if step <= 50:
-            assert device[2] == host[2], step
+    assert_continued_steps_match_host_fed(runner, steps=140, leave_at=50)
