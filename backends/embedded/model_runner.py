@@ -323,16 +323,8 @@ class ModelRunner:
         The whole step is one input copy, one replay and one output copy. That matters
         beside a trainer in the same process: every torch call releases and retakes the GIL,
         and each retake can wait a switch interval for the trainer's thread."""
-        width, graph, _ = self._decode_shape(slots, positions)
-        if graph is None or graph.sampled is None:
-            return None
-        ids, pos, write = self._decode_rows(width, slots, positions, tokens)
-        temperature = [1.0] * width
-        for slot, t in zip(slots, temperatures, strict=True):
-            temperature[slot] = t
-        packed = to_device([ids, pos, write, temperature], torch.float64, self.device)
-        out = graph.run_sampled(packed).tolist()
-        return [int(out[0][s]) for s in slots], [out[1][s] for s in slots]
+        launch = self._graph_launch(slots, positions, tokens, temperatures)
+        return None if launch is None else launch.result()
 
     @torch.inference_mode()
     def launch_decode(
@@ -341,9 +333,18 @@ class ModelRunner:
         """``decode_sampled`` without waiting for it: the step is queued on the device and
         its tokens come from ``DecodeLaunch.result()``. Where no sampling graph covers the
         step it runs eagerly, and the launch holds its tokens already."""
+        launch = self._graph_launch(slots, positions, tokens, temperatures)
+        if launch is None:
+            return self._eager_launch(slots, positions, tokens, temperatures)
+        return launch
+
+    def _graph_launch(
+        self, slots: list[int], positions: list[int], tokens: list[int], temperatures: list[float]
+    ) -> DecodeLaunch | None:
+        """One input copy and one replay of the sampling graph covering the step, if any."""
         width, graph, _ = self._decode_shape(slots, positions)
         if graph is None or graph.sampled is None:
-            return self._eager_launch(slots, positions, tokens, temperatures)
+            return None
         ids, pos, write = self._decode_rows(width, slots, positions, tokens)
         temperature = [1.0] * width
         for slot, t in zip(slots, temperatures, strict=True):
@@ -604,11 +605,3 @@ class _DecodeGraph:
         self.inputs[:3].copy_(inputs, non_blocking=True)
         self.graph.replay()
         return self.logits
-
-    def run_sampled(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Replay on ``inputs`` (``[4, width]`` float64: ids, positions, write positions,
-        temperatures); return the sampled ``[2, width]`` ids and logprobs."""
-        assert self.sampled is not None
-        self.inputs.copy_(inputs, non_blocking=True)
-        self.graph.replay()
-        return self.sampled

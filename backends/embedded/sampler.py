@@ -25,6 +25,7 @@ engine passes its own generator, so a trainer seeding the device's default one n
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -164,7 +165,13 @@ def _cpu_kernel_takes(logits: torch.Tensor, params: SamplingBatch) -> bool:
 def _fused_sampling(logits: torch.Tensor):  # type: ignore[no-untyped-def]
     """The one-pass Triton sampler (``areal_sdk.kernels.fused_sampling``) for CUDA logits
     where triton is installed, else None."""
-    if not logits.is_cuda or importlib.util.find_spec("triton") is None:
+    return _triton_sampler() if logits.is_cuda else None
+
+
+@functools.cache
+def _triton_sampler():  # type: ignore[no-untyped-def]
+    # Looked up once: sampling runs every engine step.
+    if importlib.util.find_spec("triton") is None:
         return None
     from areal_sdk.kernels import fused_sampling
 

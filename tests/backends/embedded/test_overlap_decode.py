@@ -53,11 +53,6 @@ class ReplayedOnCpu:
         self.replay()
         return self.logits
 
-    def run_sampled(self, inputs: torch.Tensor) -> torch.Tensor:
-        self.inputs.copy_(inputs)
-        self.replay()
-        return self.sampled
-
 
 def with_stand_in_graphs(runner: ModelRunner) -> dict[tuple[int, int], ReplayedOnCpu]:
     graphs: dict[tuple[int, int], ReplayedOnCpu] = {}
