@@ -203,6 +203,131 @@ def head(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def projections(args: argparse.Namespace) -> list[dict]:
+    """A decoder layer's input projections, forward + backward: q, k, v, gate and up as five
+    GEMMs (the HF modules) against two over concatenated weights, float32 master weights
+    under bf16 autocast as the trainer runs them."""
+    torch.manual_seed(0)
+    n, h, inter, kv = args.tokens, 896, 4864, 128
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    shapes = {"q": h, "k": kv, "v": kv, "gate": inter, "up": inter}
+    ws = {k: (torch.randn(o, h, device="cuda") * 0.02).requires_grad_() for k, o in shapes.items()}
+    grads = {k: torch.randn(n, o, device="cuda", dtype=torch.bfloat16) for k, o in shapes.items()}
+
+    def separate() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs = [torch.nn.functional.linear(x, ws[k]) for k in shapes]
+        torch.autograd.backward(outs, [grads[k] for k in shapes])
+
+    def fused() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            qkv = torch.nn.functional.linear(x, torch.cat([ws["q"], ws["k"], ws["v"]]))
+            gu = torch.nn.functional.linear(x, torch.cat([ws["gate"], ws["up"]]))
+        torch.autograd.backward(
+            [qkv, gu],
+            [
+                torch.cat([grads[k] for k in ("q", "k", "v")], 1),
+                torch.cat([grads["gate"], grads["up"]], 1),
+            ],
+        )
+
+    flops = 6 * n * h * sum(shapes.values())
+    rows = []
+    for name, fn in (("five GEMMs", separate), ("two concatenated", fused)):
+        ms = bench(fn)
+        row = {"case": name, "fwd_bwd_ms": ms, "tflops": flops / ms / 1e9}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def head_stored(args: argparse.Namespace) -> list[dict]:
+    """The logprob head keeping the softmax for backward: cuBLAS logits, one compiled pass to
+    probabilities (bf16, [T, V] kept), backward as two GEMMs over them, against the fused
+    Triton head that recomputes the logits."""
+    from areal_sdk.kernels import fused_logprobs as fl
+
+    torch.manual_seed(0)
+    n, h, vocab = args.tokens, 896, 151936
+    hidden = torch.randn(n, h, device="cuda").to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, h, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    g_lp = torch.randn(n, device="cuda")
+
+    @torch.compile(dynamic=True)
+    def softmax_in_place(z: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        zf = z.float()
+        m = zf.amax(-1, keepdim=True)
+        e = torch.exp(zf - m)
+        s = e.sum(-1, keepdim=True)
+        p = e / s
+        lse = (m + s.log()).squeeze(1)
+        ent = lse - (p * zf).sum(-1)
+        z.copy_(p.to(z.dtype))
+        return lse, zf.gather(1, lab[:, None]).squeeze(1), ent
+
+    class Stored(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hid, w, lab):  # type: ignore[override]
+            probs = torch.empty(hid.shape[0], w.shape[0], dtype=hid.dtype, device=hid.device)
+            lse = torch.empty(hid.shape[0], device=hid.device)
+            lz, ent = torch.empty_like(lse), torch.empty_like(lse)
+            step = args.chunks[-1]
+            for start in range(0, hid.shape[0], step):
+                r = slice(start, start + step)
+                torch.mm(hid[r], w.T, out=probs[r])
+                lse[r], lz[r], ent[r] = softmax_in_place(probs[r], lab[r])
+            ctx.save_for_backward(hid, w, lab, probs)
+            return lz - lse, ent
+
+        @staticmethod
+        def backward(ctx, g, _g_ent):  # type: ignore[override]
+            hid, w, lab, probs = ctx.saved_tensors
+            g = g.float()
+            expected = torch.mm(probs, w, out_dtype=torch.float32)
+            dh = (g[:, None] * (w[lab].float() - expected)).to(hid.dtype)
+            gh = (g[:, None] * hid.float()).to(hid.dtype)
+            dw = torch.mm(probs.T, gh, out_dtype=torch.float32).neg_()
+            dw.index_add_(0, lab, gh.float())
+            return dh, dw.to(w.dtype), None
+
+    def run_stored(backward: bool) -> torch.Tensor:
+        hidden.grad = weight.grad = None
+        lp, _ = Stored.apply(hidden, weight, labels)
+        if backward:
+            (lp * g_lp).sum().backward()
+        return lp
+
+    def run_fused(backward: bool) -> torch.Tensor:
+        hidden.grad = weight.grad = None
+        lp, _ = fl.fused_logprobs_and_entropy(hidden, weight, labels, with_entropy=False)
+        if backward:
+            (lp * g_lp).sum().backward()
+        return lp
+
+    lp_f = run_fused(True)
+    ref = (lp_f.detach(), hidden.grad.clone(), weight.grad.clone())
+    lp_s = run_stored(True)
+    check = {
+        "lp_err": rel(lp_s.detach(), ref[0]),
+        "dh_err": rel(hidden.grad, ref[1]),
+        "dw_err": rel(weight.grad, ref[2]),
+    }
+    rows = []
+    for name, fn in (("fused Triton, recomputing", run_fused), ("stored softmax", run_stored)):
+        torch.cuda.reset_peak_memory_stats()
+        row = {
+            "case": name,
+            "fwd_ms": bench(lambda fn=fn: fn(False)),
+            "fwd_bwd_ms": bench(lambda fn=fn: fn(True)),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            **(check if name == "stored softmax" else {}),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def mixed_lengths(total: int, low: int, high: int) -> list[int]:
     """Lengths drawn uniformly from [low, high] (seeded) until they fill ``total`` tokens."""
     gen = torch.Generator().manual_seed(1)
@@ -224,7 +349,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
     parser.add_argument("--fwd-tiles", type=lambda s: [tile(t) for t in s.split(";")], default=[])
     parser.add_argument("--bwd-tiles", type=lambda s: [tile(t) for t in s.split(";")], default=[])
-    parser.add_argument("--skip", default="", help="attention,head")
+    parser.add_argument("--skip", default="", help="attention,head,projections,head_stored")
     parser.add_argument(
         "--baseline-kernel", type=Path, help="another fused_logprobs.py to time beside this one"
     )
@@ -239,9 +364,13 @@ def main() -> None:
             report["attention"] += attention(args, lengths, label)
     if "head" not in args.skip:
         report["head"] = head(args)
+    if "projections" not in args.skip:
+        report["projections"] = projections(args)
+    if "head_stored" not in args.skip:
+        report["head_stored"] = head_stored(args)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    for section in ("attention", "head"):
+    for section in ("attention", "head", "projections", "head_stored"):
         for row in report.get(section, []):
             print(
                 section,

@@ -154,6 +154,8 @@ class TrainRankActor:
             result = self._next_bucket(b, *args)
         elif op == "sync_end":
             self.reads.pop(args[0], None)
+            if self.share_on_node and torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # free the buckets the run's process has released
         else:
             raise ValueError(f"unknown trainer rank request {op!r}")
         return result, self.state()
