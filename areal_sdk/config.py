@@ -260,8 +260,10 @@ class TrainConfig(Section):
         description="run a micro-batch's sequences as a right-padded batch instead of one "
         "packed row with a block-diagonal attention mask (benchmarks/attention_layout.py)",
     )
-    logprob_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="token logprobs: auto (Triton on CUDA, else torch), torch, triton"
+    logprob_backend: Literal["auto", "torch", "triton", "stored"] = Field(
+        "auto",
+        description="token logprobs: auto (Triton on CUDA, else torch), torch, triton, stored "
+        "(the softmax kept for backward: T x V more memory, one product less)",
     )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="DeepSpeed JSON config merged over the generated one"

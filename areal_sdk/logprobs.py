@@ -11,6 +11,9 @@ vocabulary is 9.7 GB per copy. Here the logits exist one chunk of rows at a time
 - ``backend="triton"``: ``areal_sdk.kernels.fused_logprobs``; forward is one fused kernel
   (matmul tiles + online log-sum-exp, no logits in memory at all), backward a fused
   matmul + gradient kernel per chunk.
+- ``backend="stored"``: ``areal_sdk.kernels.stored_softmax``; cuBLAS logits turned into
+  probabilities in place and kept for backward (``T x V`` elements more memory, one
+  vocabulary-sized product less).
 - ``backend="auto"``: triton when it is installed and the tensors are on CUDA, else torch.
   Give it bf16 inputs: in float32 the kernel is several times slower than cuBLAS
   (benchmarks/README.md, "Training throughput").
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 
-Backend = str  # "auto" | "torch" | "triton"
+Backend = str  # "auto" | "torch" | "triton" | "stored"
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -178,8 +181,8 @@ def token_logprobs_and_entropy(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}; use auto, torch or triton")
+    if backend not in ("auto", "torch", "triton", "stored"):
+        raise ValueError(f"unknown backend {backend!r}; use auto, torch, triton or stored")
     compute_dtype = compute_dtype or lm_head_weight.dtype
     if hidden.dtype != compute_dtype:
         hidden = hidden.to(compute_dtype)
@@ -191,7 +194,18 @@ def token_logprobs_and_entropy(
         )
     if backend == "triton" and not _triton_usable(hidden):
         raise ValueError("backend='triton' needs the triton package and CUDA tensors")
-    if backend == "triton" or (backend == "auto" and _triton_usable(hidden)):
+    if backend == "stored":
+        from areal_sdk.kernels.stored_softmax import stored_softmax_logprobs
+
+        logprobs, entropy = stored_softmax_logprobs(
+            hidden,
+            lm_head_weight,
+            labels,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            compute_dtype=compute_dtype,
+        )
+    elif backend == "triton" or (backend == "auto" and _triton_usable(hidden)):
         from areal_sdk.kernels.fused_logprobs import fused_logprobs_and_entropy
 
         logprobs, entropy = fused_logprobs_and_entropy(

@@ -242,10 +242,10 @@ def projections(args: argparse.Namespace) -> list[dict]:
 
 
 def head_stored(args: argparse.Namespace) -> list[dict]:
-    """The logprob head keeping the softmax for backward: cuBLAS logits, one compiled pass to
-    probabilities (bf16, [T, V] kept), backward as two GEMMs over them, against the fused
-    Triton head that recomputes the logits."""
+    """The logprob head keeping the softmax for backward (``train.logprob_backend: stored``)
+    against the fused Triton head that recomputes the logits, logprobs' gradient only."""
     from areal_sdk.kernels import fused_logprobs as fl
+    from areal_sdk.kernels.stored_softmax import stored_softmax_logprobs
 
     torch.manual_seed(0)
     n, h, vocab = args.tokens, 896, 151936
@@ -253,73 +253,32 @@ def head_stored(args: argparse.Namespace) -> list[dict]:
     weight = (torch.randn(vocab, h, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, vocab, (n,), device="cuda")
     g_lp = torch.randn(n, device="cuda")
+    heads = {
+        "fused Triton, recomputing": fl.fused_logprobs_and_entropy,
+        "stored softmax": stored_softmax_logprobs,
+    }
 
-    @torch.compile(dynamic=True)
-    def softmax_in_place(z: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        zf = z.float()
-        m = zf.amax(-1, keepdim=True)
-        e = torch.exp(zf - m)
-        s = e.sum(-1, keepdim=True)
-        p = e / s
-        lse = (m + s.log()).squeeze(1)
-        ent = lse - (p * zf).sum(-1)
-        z.copy_(p.to(z.dtype))
-        return lse, zf.gather(1, lab[:, None]).squeeze(1), ent
-
-    class Stored(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, hid, w, lab):  # type: ignore[override]
-            probs = torch.empty(hid.shape[0], w.shape[0], dtype=hid.dtype, device=hid.device)
-            lse = torch.empty(hid.shape[0], device=hid.device)
-            lz, ent = torch.empty_like(lse), torch.empty_like(lse)
-            step = args.chunks[-1]
-            for start in range(0, hid.shape[0], step):
-                r = slice(start, start + step)
-                torch.mm(hid[r], w.T, out=probs[r])
-                lse[r], lz[r], ent[r] = softmax_in_place(probs[r], lab[r])
-            ctx.save_for_backward(hid, w, lab, probs)
-            return lz - lse, ent
-
-        @staticmethod
-        def backward(ctx, g, _g_ent):  # type: ignore[override]
-            hid, w, lab, probs = ctx.saved_tensors
-            g = g.float()
-            expected = torch.mm(probs, w, out_dtype=torch.float32)
-            dh = (g[:, None] * (w[lab].float() - expected)).to(hid.dtype)
-            gh = (g[:, None] * hid.float()).to(hid.dtype)
-            dw = torch.mm(probs.T, gh, out_dtype=torch.float32).neg_()
-            dw.index_add_(0, lab, gh.float())
-            return dh, dw.to(w.dtype), None
-
-    def run_stored(backward: bool) -> torch.Tensor:
+    def run(name: str, backward: bool) -> torch.Tensor:
         hidden.grad = weight.grad = None
-        lp, _ = Stored.apply(hidden, weight, labels)
+        lp, _ = heads[name](hidden, weight, labels, with_entropy=False)
         if backward:
             (lp * g_lp).sum().backward()
         return lp
 
-    def run_fused(backward: bool) -> torch.Tensor:
-        hidden.grad = weight.grad = None
-        lp, _ = fl.fused_logprobs_and_entropy(hidden, weight, labels, with_entropy=False)
-        if backward:
-            (lp * g_lp).sum().backward()
-        return lp
-
-    lp_f = run_fused(True)
-    ref = (lp_f.detach(), hidden.grad.clone(), weight.grad.clone())
-    lp_s = run_stored(True)
+    ref = (run("fused Triton, recomputing", True).detach(), hidden.grad, weight.grad)
+    lp = run("stored softmax", True).detach()
     check = {
-        "lp_err": rel(lp_s.detach(), ref[0]),
+        "lp_err": rel(lp, ref[0]),
         "dh_err": rel(hidden.grad, ref[1]),
         "dw_err": rel(weight.grad, ref[2]),
     }
     rows = []
-    for name, fn in (("fused Triton, recomputing", run_fused), ("stored softmax", run_stored)):
+    for name in heads:
         torch.cuda.reset_peak_memory_stats()
         row = {
             "case": name,
-            "fwd_ms": bench(lambda fn=fn: fn(False)),
-            "fwd_bwd_ms": bench(lambda fn=fn: fn(True)),
+            "fwd_ms": bench(lambda name=name: run(name, False)),
+            "fwd_bwd_ms": bench(lambda name=name: run(name, True)),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             **(check if name == "stored softmax" else {}),
         }

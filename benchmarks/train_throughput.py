@@ -77,6 +77,8 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # What a user gets: every train setting left at its default (on CUDA: bf16, compiled
     # layers, micro-batches sized from the card's memory).
     "defaults": ([], False),
+    # The defaults with the logprob head keeping its softmax for backward.
+    "defaults_stored": (["train.logprob_backend=stored"], False),
     # The layout of the first measurement: masked packed row, checkpointing, extra pass.
     "sdpa_gc_prox": (["train.attn_implementation=sdpa", "train.gradient_checkpointing=true"], True),
     "varlen_gc": (["train.attn_implementation=varlen", "train.gradient_checkpointing=true"], False),
@@ -163,7 +165,7 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
             f"model.path={path}",
             "train.device=cuda",
             "train.lr=1e-6",
-            *([] if variant == "defaults" else _pinned(args)),
+            *([] if variant.startswith("defaults") else _pinned(args)),
             *overrides,
         ],
     )

@@ -228,3 +228,57 @@ def test_triton_bfloat16_logprobs_alone_over_several_chunks(monkeypatch):
     lp, _ = token_logprobs_and_entropy(hidden, weight, labels, chunk_size=64, backend="triton")
     lp.sum().backward()
     assert _rel(hidden.grad, h32.grad) < 1e-2 and _rel(weight.grad, w32.grad) < 1e-2
+
+
+# -- backend="stored": the softmax kept for backward -------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy_grad", [True, False], ids=["entropy_grad", "logprobs_only"])
+def test_stored_softmax_values_and_gradients_equal_naive(
+    temperature, with_entropy_grad, monkeypatch
+):
+    from areal_sdk.kernels import stored_softmax
+
+    monkeypatch.setattr(stored_softmax, "CHUNK_ROWS", 4)  # 13 rows: a partial last chunk
+    hidden, weight, labels = _inputs(13, 32, 257)
+
+    def loss(fn, **kw):
+        hidden.grad = weight.grad = None
+        lp, ent = fn(hidden, weight, labels, temperature=temperature, **kw)
+        g = torch.Generator().manual_seed(1)
+        a, b = torch.randn(13, generator=g), torch.randn(13, generator=g)
+        ((lp * a).sum() + ((ent * b).sum() if with_entropy_grad else 0.0)).backward()
+        return lp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    want = loss(naive)
+    got = loss(token_logprobs_and_entropy, backend="stored")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_stored_softmax_bf16_products_from_a_float32_weight():
+    hidden, weight, labels = _inputs(24, 64, 300)
+    want = _grads(
+        token_logprobs_and_entropy,
+        hidden,
+        weight,
+        labels,
+        chunk_size=5,
+        backend="torch",
+        compute_dtype=torch.bfloat16,
+    )
+    got = _grads(
+        token_logprobs_and_entropy,
+        hidden,
+        weight,
+        labels,
+        backend="stored",
+        compute_dtype=torch.bfloat16,
+    )
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    # Same bf16 logits: values to float32 rounding; gradients through bf16 probabilities.
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    for g, w in zip(got[2:], want[2:], strict=True):
+        assert float((g - w).norm() / w.norm()) < 2e-2

@@ -188,6 +188,7 @@ class DeepSpeedBackend(TrainBackend):
             compiled=compile_by_default(self.cfg.compile, device),
             checkpointing=self.cfg.gradient_checkpointing,
             shares_device=shares_device,
+            stored_softmax=self.cfg.logprob_backend == "stored",
         )
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],

@@ -79,11 +79,14 @@ def micro_batch_tokens_for(
     compiled: bool,
     checkpointing: bool,
     shares_device: bool,
+    stored_softmax: bool = False,
     device_bytes: int | None = None,
 ) -> int:
     """Tokens per micro-batch for ``model`` training on ``device`` (see the module docstring).
 
-    ``device_bytes`` overrides the card's memory (tests)."""
+    ``stored_softmax``: the logprob head keeps a bf16 row of the vocabulary per token until
+    backward (``train.logprob_backend: stored``). ``device_bytes`` overrides the card's
+    memory (tests)."""
     if device.type != "cuda" and device_bytes is None:
         return CPU_MICRO_BATCH_TOKENS
     if device_bytes is None:
@@ -100,5 +103,7 @@ def micro_batch_tokens_for(
         getattr(model, "policy", None), "config", None
     )
     per_token = activation_bytes_per_token(config, compiled=compiled, checkpointing=checkpointing)
+    if stored_softmax:
+        per_token += 2 * int(getattr(config, "vocab_size", 0) or 0)
     tokens = int(budget // per_token) // 1024 * 1024
     return max(MIN_AUTO_TOKENS, min(MAX_AUTO_TOKENS, tokens))

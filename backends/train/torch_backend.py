@@ -149,6 +149,7 @@ class TorchBackend(TrainBackend):
             compiled=compile_by_default(self.cfg.compile, self._device),
             checkpointing=self.cfg.gradient_checkpointing,
             shares_device=shares_device,
+            stored_softmax=self.cfg.logprob_backend == "stored",
         )
         self.optimizer = build_adamw(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg, self._device
