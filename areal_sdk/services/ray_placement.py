@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,12 @@ from areal_sdk.launcher import LaunchError
 log = logging.getLogger(__name__)
 
 Kind = Literal["engine", "worker"]
+
+# ``ray.init`` runs on this one thread, which lives as long as the process. A local cluster's
+# head processes (GCS, raylet) are started with ``PR_SET_PDEATHSIG``, which kills them when
+# the *thread* that forked them exits: started from a short-lived thread (the run builds its
+# trainer on one), the cluster died seconds later.
+_RAY_INIT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal-ray-init")
 
 
 @dataclass(frozen=True)
@@ -132,12 +139,13 @@ class RayPlacement:
                 "include_dashboard": False,
             }
         try:
-            ray.init(
+            _RAY_INIT_THREAD.submit(
+                ray.init,
                 address=address,
                 namespace=self.cfg.ray.namespace,
                 log_to_driver=False,  # each service logs to run.dir/services/<name>.log
                 **local,
-            )
+            ).result()
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"ray.address={address}" if address else "the local Ray cluster"
             raise LaunchError(f"cannot connect to {where}: {exc}") from None
