@@ -299,6 +299,8 @@ def run_setting(
         else (
             f"{run.cfg.inference.servers} server process(es)"
             if run.placement == "processes"
+            else f"{run.cfg.inference.servers} server actor(s)"
+            if run.placement == "ray"
             else "in process"
         ),
         "push_method": run.cfg.weights.method,
