@@ -249,8 +249,19 @@ def run_setting(
 
     engine_totals: list[dict[str, float] | None] = []
 
+    began = time.perf_counter()
+
+    def progress(message: str) -> None:
+        # On stderr as it happens: a run cut off by a time limit still shows how far it got.
+        print(
+            f"[{placement} s={staleness} +{time.perf_counter() - began:.1f}s] {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def on_step(report) -> None:  # type: ignore[no-untyped-def]
         stamps.append(time.perf_counter())
+        progress(f"step {len(stamps)} done")
         engine_totals.append(load.engine_stats(args.engine_url))
         if profiler is not None and len(stamps) == args.warmup + 1:
             profiler.start()
@@ -258,7 +269,7 @@ def run_setting(
         times.append({k: report.metrics.get(f"time/{k}", float("nan")) for k in TIMES})
         rollout.append({k: report.metrics.get(f"rollout/{k}", float("nan")) for k in ROLLOUT})
 
-    run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=lambda m: None)
+    run = TrainingRun(cfg, config_dir=work, on_step=on_step, on_event=progress)
     start = time.perf_counter()
     load = EngineLoadSampler(run)
     profiler = (

@@ -282,3 +282,35 @@ def test_stored_softmax_bf16_products_from_a_float32_weight():
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
     for g, w in zip(got[2:], want[2:], strict=True):
         assert float((g - w).norm() / w.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled softmax pass runs on CUDA")
+@pytest.mark.parametrize("with_entropy_grad", [True, False], ids=["entropy_grad", "logprobs_only"])
+def test_stored_softmax_on_cuda_matches_float32_reference(with_entropy_grad, monkeypatch):
+    """The CUDA path: cuBLAS logits into the kept buffer, the compiled in-place softmax,
+    float32 products over bf16 probabilities in backward."""
+    from areal_sdk.kernels import stored_softmax
+
+    monkeypatch.setattr(stored_softmax, "CHUNK_ROWS", 128)  # 300 rows: three chunks
+    hidden, weight, labels = _inputs(300, 128, 5000, dtype=torch.bfloat16)
+    hidden = hidden.detach().cuda().requires_grad_()
+    weight = weight.detach().cuda().requires_grad_()
+    labels = labels.cuda()
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+
+    def loss(fn, h, w, **kw):
+        h.grad = w.grad = None
+        lp, ent = fn(h, w, labels, temperature=0.8, **kw)
+        a = torch.linspace(-1, 1, 300, device="cuda")
+        ((lp * a).sum() + ((ent * a.flip(0)).sum() if with_entropy_grad else 0.0)).backward()
+        return lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone()
+
+    want = loss(naive, h32, w32)
+    got = loss(token_logprobs_and_entropy, hidden, weight, backend="stored")
+    # float32 logits from the bf16 operands: values to float32 rounding; the gradients go
+    # through the kept bf16 probabilities.
+    torch.testing.assert_close(got[0], want[0], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-3)
+    assert _rel(got[2], want[2]) < 2e-2 and _rel(got[3], want[3]) < 2e-2
