@@ -68,3 +68,30 @@ def test_a_local_cluster_outlives_the_thread_that_started_it(tmp_path) -> None:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "answer 42" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_areal_sdk_train_on_ray_with_no_cluster_runs_on_a_local_one(run_config, monkeypatch):
+    from tests.services.test_processes_run import LiveRun, _assert_trained_once
+
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)  # no `ray start` recorded there
+    config = run_config(
+        run={"steps": 2, "placement": "ray", "heartbeat_timeout_s": 5.0},
+        ray={
+            "engine": {"num_cpus": 1},
+            "worker": {"num_cpus": 0.5},
+            "trainer": {"num_cpus": 0.5},
+        },
+        rollout={"workers": 1, "timeout_s": 60},
+        eval={"before": False, "after": False},
+    )
+    try:
+        run = LiveRun(config)
+        assert run.finish() == 0, run.output
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    _assert_trained_once(run.run_dir, 2)
+    assert "connecting to the local Ray cluster" in run.output, run.output
