@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 from areal_sdk.cli._common import console, fail
 
@@ -128,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     from areal_sdk.backends.embedded.server import KEEP_ALIVE_S, create_app
     from areal_sdk.compute_threads import call_in_fresh_thread
 
+    # Plain lines too: a service log (no terminal) shows where a slow start stands.
+    console.print(f"loading {args.model} on {args.device}", highlight=False)
+    began = time.perf_counter()
     try:
         with console.status(f"loading {args.model} on {args.device}"):
             # On a thread that exits: this one will serve HTTP and must not keep an OpenMP
@@ -154,6 +158,12 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFoundError, MaxModelLenError, WeightMismatchError) as exc:
         return fail(str(exc))
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    graphs = engine.runner.graph_count
+    console.print(
+        f"loaded in {time.perf_counter() - began:.1f} s"
+        + (f" ({graphs} decode CUDA graphs captured)" if graphs else ""),
+        highlight=False,
+    )
     console.print(
         f"serving [bold]{engine.model_name}[/] on http://{args.host}:{args.port}", highlight=False
     )

@@ -159,6 +159,11 @@ class ModelRunner:
         """Whether decode steps replay CUDA graphs (until a capture fails)."""
         return bool(self._graph_buckets)
 
+    @property
+    def graph_count(self) -> int:
+        """Decode graphs captured so far."""
+        return len(self._graphs)
+
     @staticmethod
     def _set_attention(model: torch.nn.Module) -> None:
         try:

@@ -24,7 +24,7 @@ def test_engine_serves_its_weight_version_and_exits_0_on_sigterm(tiny_model_dir:
          "--port", str(port), "--max-batch-size", "2", "--max-model-len", "128",
          "--weight-version", "5", "--served-model-name", "policy"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -42,6 +42,9 @@ def test_engine_serves_its_weight_version_and_exits_0_on_sigterm(tiny_model_dir:
         engine.send_signal(signal.SIGTERM)
         assert engine.wait(30) == 0
         assert "Traceback" not in engine.stderr.read()
+        # What a service log shows of the start: the model loading, then how long it took.
+        out = engine.stdout.read()
+        assert f"loading {tiny_model_dir} on cpu" in out and "loaded in " in out, out
     finally:
         engine.kill()
         engine.wait(10)
