@@ -56,7 +56,7 @@ def _softmax_into(
 
 @functools.cache
 def _compiled_softmax() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    # One fused Triton pass on CUDA (the eager ops make five over a 2 GiB chunk).
+    # One fused Triton pass on CUDA; the eager ops make five passes over a chunk.
     return torch.compile(_softmax_into, dynamic=True)
 
 
