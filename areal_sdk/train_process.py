@@ -192,8 +192,12 @@ def _child_main(conn: Connection, config: dict[str, Any]) -> None:
     from areal_sdk.malloc import limit_arenas
     from areal_sdk.plugin_host import get_host
 
-    # A terminal's Ctrl-C reaches the whole process group; the parent finishes the step in
-    # flight and checkpoints before it stops this process.
+    # A terminal's Ctrl-C, a scheduler's SIGTERM (Slurm signals every process of a job step)
+    # or `timeout` reach the whole process group; the parent finishes the step in flight and
+    # checkpoints before it stops this process. A session of its own keeps those signals off
+    # this process and its helpers (the compiler's workers); it still dies with the parent
+    # (EOF on its pipe).
+    os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     limit_arenas()
     try:

@@ -198,6 +198,7 @@ def run_setting(
     round_index: int = 0,
     placement: str = "auto",
 ) -> dict:
+    from areal_sdk.cli.train import _run_until_signalled
     from areal_sdk.config import load_config
     from areal_sdk.training_run import TrainingRun
 
@@ -278,7 +279,9 @@ def run_setting(
         else None
     )
     with GpuSampler() as gpu, load:
-        result = asyncio.run(run.run())
+        # SIGTERM or SIGINT (a `timeout` limit) ends the run after its step in flight, as
+        # `areal-sdk train` does: the steps done so far are still reported.
+        result = asyncio.run(_run_until_signalled(run))
     if profiler is not None:
         profiler.join()
     measured = stamps[args.warmup :]

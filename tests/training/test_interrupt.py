@@ -78,3 +78,40 @@ def test_interrupt_and_resume_reads_as_one_run(run_config):
     assert "held-out reward after:" in out and "gain:" in out
     with TrajectoryStore(run_dir) as store:
         assert store.count(run_id="eval-initial") == before["episodes"] == 4
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_still_checkpoints(run_config):
+    """Slurm's scancel, `timeout` and a terminal's Ctrl-C signal every process of the group:
+    the trainer in its own process must not die of it before the run checkpoints."""
+    import os
+
+    config = run_config(
+        run={"steps": 200},
+        train={"separate_process": True},
+        eval={"before": False, "after": False},
+    )
+    run_dir = config.parent / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_sdk", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # a group of its own, as a job step's
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "2 steps not done within 240 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    kept = Checkpoints(run_dir).latest()
+    assert kept is not None and f"checkpoint of step {kept.step}/200 kept" in out, out
+    assert "trainer died" not in out, out
