@@ -369,6 +369,8 @@ class AsyncTrainer:
                 "rollout/staleness_max": float(max(staleness)),
                 "rollout/staleness_mean": statistics.fmean(staleness),
                 "rollout/tokens_per_s": self._rollout_tokens / elapsed if elapsed > 0 else 0.0,
+                # Generated tokens this update trained on (the groups taken, not those dropped).
+                "rollout/trained_tokens": float(sum(e.num_tokens for g in groups for e in g.ok)),
                 "time/wait_s": wait_s,
                 "time/step_s": time.perf_counter() - t0,
                 "time/push_s": push_s,

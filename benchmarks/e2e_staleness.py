@@ -67,7 +67,7 @@ async def solve(task):
 
 TIMES = ("wait_s", "push_s", "step_s")
 # Per-step rollout figures reported beside the times.
-ROLLOUT = ("tokens_per_s", "staleness_mean", "dropped_stale_groups")
+ROLLOUT = ("tokens_per_s", "staleness_mean", "dropped_stale_groups", "trained_tokens")
 
 
 def build_model(out: Path, layers: int) -> Path:
@@ -303,6 +303,14 @@ def run_setting(
             statistics.fmean(r[key] for r in steady_rollout) if steady_rollout else None
         )
     split.update(engine_window(engine_totals[args.warmup :], stamps[args.warmup :]))
+    split.update(buffer_window([r["trained_tokens"] for r in rollout[args.warmup + 1 :]], split))
+    if (drawn := split.get("buffer_steps_drawn")) is not None and drawn > 1:
+        progress(
+            f"not steady: the measured steps trained {drawn:.1f} steps' tokens more than the "
+            f"engine generated meanwhile (episodes generated ahead during the warm-up); "
+            f"generation alone allows {split['generation_bound_s_per_step']:.3f} s a step. "
+            f"Give more --warmup steps."
+        )
     return {
         "placement": run.placement,
         "max_staleness": staleness,
@@ -400,9 +408,31 @@ def engine_window(totals: list[dict[str, float] | None], stamps: list[float]) ->
         "engine_prefill_share": d["prefill_steps"] / d["steps"] if d["steps"] else None,
         "engine_busy": d["step_s"] / wall if wall > 0 else None,
         "engine_tokens_per_s": d["sampled_tokens"] / wall if wall > 0 else None,
+        "engine_wall_s": wall,
         # Prompt positions copied from another request's cache (prefix_reuse) of all fed.
         "engine_reused_share": d.get("reused_tokens", 0)
         / max(d.get("reused_tokens", 0) + d["prefill_tokens"], 1),
+    }
+
+
+def buffer_window(trained_tokens: list[float], engine: dict) -> dict:
+    """Whether the measured steps ran in steady state. An asynchronous run can train faster
+    than its engine generates for a while, on episodes generated ahead during the warm-up
+    (up to ``max_staleness`` steps of them): such a window's seconds per step are not what
+    the run sustains. ``buffer_steps_drawn`` counts how many steps' tokens the window took
+    beyond what the engine generated in it (negative: the engine generated more, for groups
+    dropped as stale or still in flight); ``generation_bound_s_per_step`` is the step time
+    the engine's rate allows."""
+    rate = engine.get("engine_tokens_per_s")
+    trained = [t for t in trained_tokens if t == t]  # NaN: a run without the metric
+    if not trained or not rate or "engine_wall_s" not in engine:
+        return {}
+    per_step = statistics.fmean(trained)
+    generated = rate * engine["engine_wall_s"]
+    return {
+        "trained_tokens_per_step": per_step,
+        "buffer_steps_drawn": (sum(trained) - generated) / per_step if per_step else None,
+        "generation_bound_s_per_step": per_step / rate,
     }
 
 

@@ -58,6 +58,12 @@ def test_a_short_run_trains_pushes_and_respects_the_staleness_bound(run_config, 
     logged = [json.loads(line) for line in lines]
     assert [m["step"] for m in logged] == [1, 2, 3]
     assert all(m["rollout/staleness_max"] <= max_staleness for m in logged)
+    # Each step's trained tokens are the generated tokens of the episodes it consumed.
+    tokens = Counter()
+    for episode, step in consumed:
+        tokens[step + 1] += episode.num_tokens
+    assert [m["rollout/trained_tokens"] for m in logged] == [tokens[s] for s in (1, 2, 3)]
+    assert all(tokens[s] > 0 for s in (1, 2, 3))
     assert (run_dir / "checkpoints" / "step-3" / "trainer_state.json").is_file()
 
 
