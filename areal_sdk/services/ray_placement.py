@@ -64,16 +64,17 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+def _check_reachable(address: str | None, timeout_s: float = 10.0) -> tuple[str, str] | None:
     """Fail at once on a head that does not answer: ``ray.init`` retries one for good. With
     no address, Ray joins ``RAY_ADDRESS`` or the cluster ``ray start`` recorded here, which
-    may have stopped since."""
+    may have stopped since. Returns the head's ``host:port`` and how to name it, or None
+    where Ray starts a cluster or connects otherwise (``ray://``)."""
     where = f"ray.address={address}"
     if address is None or address == "auto":
         address = os.environ.get("RAY_ADDRESS") or _recorded_cluster()
         where = f"the Ray cluster at {address} (RAY_ADDRESS or the last `ray start` here)"
     if address is None or address == "auto" or "://" in address or ":" not in address:
-        return
+        return None
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
@@ -82,6 +83,59 @@ def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
             f"cannot connect to {where}: {exc}; start it, set ray.address, or `ray stop` to "
             "forget a stopped one"
         ) from None
+    return address, where
+
+
+def _asks_for_a_token(address: str, timeout_s: float = 5.0) -> bool | None:
+    """Whether the head at ``address`` refuses a caller without Ray's authentication token
+    (one RPC that needs nothing else); None where that cannot be told."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return True if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return False
+
+
+def _authenticate_as_the_head_asks(address: str, where: str) -> None:
+    """Join with a token exactly where the head asks for one, unless ``RAY_AUTH_MODE`` says
+    otherwise. ``ray start --head`` turns token authentication on wherever it finds a token
+    (any earlier local ``ray.init`` writes ``~/.ray/auth_token``), but a driver given an
+    explicit address sends none and is refused after 20 s of retries; a driver that sends
+    one to a cluster without authentication connects, but its actors die at once."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    asks = _asks_for_a_token(address)
+    if asks is None:
+        return
+    if not asks:
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # also where a token lies here
+        return
+    if not _token_here():
+        raise LaunchError(
+            f"cannot connect to {where}: the cluster uses token authentication and this "
+            "machine has no token; set RAY_AUTH_TOKEN to the head's (`ray get-auth-token` "
+            "there) or copy its ~/.ray/auth_token here"
+        )
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _token_here() -> bool:
+    """Whether this machine holds a Ray authentication token, where Ray looks for one."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return os.path.isfile(path)
 
 
 def _recorded_cluster() -> str | None:
@@ -126,7 +180,8 @@ class RayPlacement:
         if ray.is_initialized():
             return self
         address = self.cfg.ray.address
-        _check_reachable(address)
+        if (head := _check_reachable(address)) is not None:
+            _authenticate_as_the_head_asks(*head)
         local: dict[str, Any] = {}
         if address is None and not os.environ.get("RAY_ADDRESS") and _recorded_cluster() is None:
             # A cluster of this machine alone: its CPUs are logical, shared by every service
@@ -146,9 +201,9 @@ class RayPlacement:
                 log_to_driver=False,  # each service logs to run.dir/services/<name>.log
                 **local,
             ).result()
-        except (ConnectionError, RuntimeError, ValueError) as exc:
+        except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
             where = f"ray.address={address}" if address else "the local Ray cluster"
-            raise LaunchError(f"cannot connect to {where}: {exc}") from None
+            raise LaunchError(f"cannot connect to {where}: {first_line(exc)}") from None
         self._connected_here = True
         return self
 
