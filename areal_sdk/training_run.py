@@ -210,6 +210,27 @@ def _leftover_groups(
     return leftovers, lost_weights
 
 
+def _keep_latest_weights(stack: LocalStack | ProcessStack, backend: TrainBackend) -> None:
+    """An engine rebuilt after it died gets the trainer's current weights."""
+    if isinstance(stack, ProcessStack):
+        stack.fleet.latest_weights = _weights_of(backend)
+    elif isinstance(stack.engine, SupervisedEngine):
+        stack.engine.latest_weights = _weights_of(backend)
+
+
+async def _abandon(starting: asyncio.Future[ProcessStack] | None) -> None:
+    """Stop services that were starting beside a trainer that failed to load: cancelled
+    while starting (``ProcessStack.start`` stops what it began), stopped once up."""
+    if starting is None:
+        return
+    starting.cancel()
+    try:
+        stack = await starting
+    except BaseException:  # cancelled, or failed to start: nothing runs
+        return
+    await stack.stop()
+
+
 def _weights_of(backend: TrainBackend) -> Callable[[], Any]:
     """The trainer's current weights and version, for an engine rebuilt after it died."""
 
@@ -452,38 +473,77 @@ class TrainingRun:
 
         return announce
 
-    async def _start_stack(
-        self, store: TrajectoryStore, backend: TrainBackend
-    ) -> LocalStack | ProcessStack:
-        """The engine and the gateway in this process, or every service in its own (on
-        this machine, or as Ray actors across a cluster)."""
-        if self.placement in ("processes", "ray"):
-            if self.placement == "ray":
-                from areal_sdk.services.ray_stack import RayStack
+    async def _start_services(self, store: TrajectoryStore) -> ProcessStack:
+        """Every service in a process of its own, on this machine or as Ray actors."""
+        if self.placement == "ray":
+            from areal_sdk.services.ray_stack import RayStack
 
-                kind: type[ProcessStack] = RayStack
-            else:
-                kind = ProcessStack
-            stack = kind(
-                self.cfg,
-                store,
-                host=self.host,
-                address=self.address,
-                run_dir=self.run_dir,
-                search_path=self.search_path,
-                on_event=self.on_event,
-            )
-            await stack.start()
-            stack.fleet.latest_weights = _weights_of(backend)
-            return stack
+            kind: type[ProcessStack] = RayStack
+        else:
+            kind = ProcessStack
+        stack = kind(
+            self.cfg,
+            store,
+            host=self.host,
+            address=self.address,
+            run_dir=self.run_dir,
+            search_path=self.search_path,
+            on_event=self.on_event,
+        )
+        return await stack.start()
+
+    async def _start_local_stack(self, store: TrajectoryStore) -> LocalStack:
+        """The engine and the gateway in this process."""
         self.on_event("starting the engine and the gateway")
         local = LocalStack(
             self.cfg, store, host=self.host, on_restart=self.on_event, address=self.address
         )
         await asyncio.to_thread(local.start)
-        if isinstance(local.engine, SupervisedEngine):
-            local.engine.latest_weights = _weights_of(backend)
         return local
+
+    async def _resume(
+        self,
+        backend: TrainBackend,
+        store: TrajectoryStore,
+        metrics: MetricLogger,
+        result: RunResult,
+    ) -> list[Leftover]:
+        """Load the newest checkpoint (or start over when the run died before its first),
+        release the steps it lost and return the accepted groups to train first."""
+        rollout = self.cfg.rollout
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            await in_fresh_thread(backend.load, latest.path)
+        start, version = backend.step, backend.version
+        released = store.release_consumed_from(start)
+        metrics.drop_after(start)  # those steps are trained again: logged once
+        leftovers, lost_weights = _leftover_groups(
+            store,
+            checkpoint_step=start,
+            checkpoint_version=version,
+            max_staleness=rollout.max_staleness,
+            group_size=rollout.group_size,
+            retries=rollout.retries,
+        )
+        highest = store.highest_version()
+        if highest is not None and highest > version:
+            # Versions after the checkpoint's named weights that died with the process:
+            # the checkpoint's weights and their successors get numbers never used before.
+            backend.initial_version = highest + 1 - start
+            self.on_event(
+                f"weight versions {version + 1}-{highest} were lost with the process; "
+                f"the checkpoint's weights continue as version {backend.version}"
+            )
+        result.resumed_from = start
+        result.refed_episodes = sum(len(left.group.episodes) for left in leftovers)
+        partial = sum(1 for left in leftovers if left.missing)
+        self.on_event(
+            f"resumed from step {start}: {released} episodes of lost steps released, "
+            f"{result.refed_episodes} accepted episodes queued to train first "
+            f"({partial} partial groups to complete); {lost_weights} sampled by weights "
+            "the checkpoint does not descend from are left untrained"
+        )
+        return leftovers
 
     def _resume_hint(self) -> str:
         latest = self.checkpoints.latest()
@@ -533,45 +593,37 @@ class TrainingRun:
         metrics.log_config(cfg.model_dump(mode="json"))
         result = RunResult(steps=0, version=0, run_dir=self.run_dir)
         self.on_event("loading the train backend")
-        backend: TrainBackend = await in_fresh_thread(
-            build_train_backend, cfg, self.host, self.on_event
+        building = asyncio.ensure_future(
+            in_fresh_thread(build_train_backend, cfg, self.host, self.on_event)
         )
-        leftovers: list[Leftover] = []
-        if self.resume:
-            # From the newest checkpoint, or from the start when the run died before its first.
-            latest = self.checkpoints.latest()
-            if latest is not None:
-                await in_fresh_thread(backend.load, latest.path)
-            start, version = backend.step, backend.version
-            released = store.release_consumed_from(start)
-            metrics.drop_after(start)  # those steps are trained again: logged once
-            leftovers, lost_weights = _leftover_groups(
-                store,
-                checkpoint_step=start,
-                checkpoint_version=version,
-                max_staleness=cfg.rollout.max_staleness,
-                group_size=cfg.rollout.group_size,
-                retries=cfg.rollout.retries,
-            )
-            highest = store.highest_version()
-            if highest is not None and highest > version:
-                # Versions after the checkpoint's named weights that died with the process:
-                # the checkpoint's weights and their successors get numbers never used before.
-                backend.initial_version = highest + 1 - start
-                self.on_event(
-                    f"weight versions {version + 1}-{highest} were lost with the process; "
-                    f"the checkpoint's weights continue as version {backend.version}"
-                )
-            result.resumed_from = start
-            result.refed_episodes = sum(len(left.group.episodes) for left in leftovers)
-            partial = sum(1 for left in leftovers if left.missing)
-            self.on_event(
-                f"resumed from step {start}: {released} episodes of lost steps released, "
-                f"{result.refed_episodes} accepted episodes queued to train first "
-                f"({partial} partial groups to complete); {lost_weights} sampled by weights "
-                "the checkpoint does not descend from are left untrained"
-            )
-        stack = self.stack = await self._start_stack(store, backend)
+        # Processes of their own start while the trainer loads: each takes seconds to tens of
+        # seconds (an engine server loads and captures its graphs, a gateway imports), and
+        # none needs the trainer before the first weight push. (Under Ray the trainer's ranks
+        # and the services share one connection, which the trainer opens first.)
+        starting = (
+            asyncio.ensure_future(self._start_services(store))
+            if self.placement == "processes"
+            else None
+        )
+        try:
+            backend: TrainBackend = await building
+        except BaseException:
+            await _abandon(starting)
+            raise
+        try:
+            leftovers = await self._resume(backend, store, metrics, result) if self.resume else []
+            if starting is not None:
+                stack: LocalStack | ProcessStack = await starting
+            elif self.placement == "ray":
+                stack = await self._start_services(store)
+            else:
+                stack = await self._start_local_stack(store)
+            self.stack = stack
+        except BaseException:
+            await _abandon(starting)
+            backend.close()
+            raise
+        _keep_latest_weights(stack, backend)
         control = ControlServer(
             self.run_dir,
             placement=self.placement,

@@ -259,3 +259,34 @@ def test_an_engine_added_mid_run_serves_the_current_weights(run_config):
     assert version >= 1  # trained weights, not the initial ones
     assert run.finish() == 0, run.output
     _assert_trained_once(run.run_dir, 40)
+
+
+def test_a_trainer_that_cannot_load_stops_the_services_starting_beside_it(run_config):
+    """Under ``processes`` the engine servers and the gateway start while the trainer loads;
+    a trainer that fails to load takes them down before the run's error reaches the caller,
+    even in a process that lives on (no lifeline ends them then)."""
+    import asyncio
+
+    import psutil
+
+    from areal_sdk.config import load_config
+    from areal_sdk.training_run import TrainingRun
+
+    path = run_config(
+        run={"steps": 2, "placement": "processes"},
+        train={"lora": {"target_modules": ["no_such_module"]}},
+        eval={"before": False, "after": False},
+    )
+    run = TrainingRun(load_config(path), config_dir=path.parent)
+
+    async def fail_and_look() -> list[str]:
+        with pytest.raises(Exception, match="no_such_module"):
+            await run.run()
+        # Still on the run's loop, which would otherwise finish whatever was left starting.
+        children = psutil.Process().children(recursive=True)
+        _, alive = await asyncio.to_thread(psutil.wait_procs, children, timeout=15)
+        return [" ".join(p.cmdline()) for p in alive if "areal_sdk" in " ".join(p.cmdline())]
+
+    assert asyncio.run(fail_and_look()) == []
+    engine_log = path.parent / "run" / "services" / "engine-0.log"
+    assert engine_log.is_file()  # the engine server did start beside the trainer
