@@ -73,21 +73,13 @@ def test_a_local_cluster_outlives_the_thread_that_started_it(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_areal_sdk_train_on_ray_with_no_cluster_runs_on_a_local_one(run_config, monkeypatch):
+    from tests.services.conftest import small_ray_run
     from tests.services.test_processes_run import LiveRun, _assert_trained_once
 
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", ray_tmp)  # no `ray start` recorded there
-    config = run_config(
-        run={"steps": 2, "placement": "ray", "heartbeat_timeout_s": 5.0},
-        ray={
-            "engine": {"num_cpus": 1},
-            "worker": {"num_cpus": 0.5},
-            "trainer": {"num_cpus": 0.5},
-        },
-        rollout={"workers": 1, "timeout_s": 60},
-        eval={"before": False, "after": False},
-    )
+    config = small_ray_run(run_config, run={"placement": "ray"})
     try:
         run = LiveRun(config)
         assert run.finish() == 0, run.output

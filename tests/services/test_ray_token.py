@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from tests.services.conftest import small_ray_run
 from tests.services.test_processes_run import LiveRun, _assert_trained_once
 
 RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
@@ -86,17 +87,7 @@ def head(request, tmp_path, monkeypatch):
 @pytest.mark.timeout(600)
 def test_a_run_joins_a_head_with_or_without_token_authentication(run_config, head):
     _, address = head
-    config = run_config(
-        run={"steps": 2, "placement": "ray", "heartbeat_timeout_s": 5.0},
-        ray={
-            "address": address,
-            "engine": {"num_cpus": 1},
-            "worker": {"num_cpus": 0.5},
-            "trainer": {"num_cpus": 0.5},
-        },
-        rollout={"workers": 1, "timeout_s": 60},
-        eval={"before": False, "after": False},
-    )
+    config = small_ray_run(run_config, run={"placement": "ray"}, address=address)
     run = LiveRun(config)
     assert run.finish() == 0, run.output
     _assert_trained_once(run.run_dir, 2)

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from tests.services.conftest import small_ray_run
 from tests.services.test_processes_run import _assert_trained_once
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,16 +112,7 @@ def slurm() -> Iterator[dict[str, str]]:
 @pytest.mark.timeout(900)
 def test_the_sbatch_example_trains_on_a_slurm_allocation(run_config, slurm, tmp_path):
     # The user's run, at CPU size: the services fit the node's cores.
-    config = run_config(
-        run={"steps": 2, "heartbeat_timeout_s": 5.0},
-        ray={
-            "engine": {"num_cpus": 1},
-            "worker": {"num_cpus": 0.5},
-            "trainer": {"num_cpus": 0.5},
-        },
-        rollout={"workers": 1, "timeout_s": 60},
-        eval={"before": False, "after": False},
-    )
+    config = small_ray_run(run_config)  # the script sets run.placement=ray
     out = config.parent / "job.out"
     # The example asks for 2 nodes with 16 cores and a GPU each: this cluster has one node.
     cpus = slurm["SLURM_CPUS"]
