@@ -123,10 +123,13 @@ def _authenticate_as_the_head_asks(address: str, where: str) -> None:
             "machine has no token; set RAY_AUTH_TOKEN to the head's (`ray get-auth-token` "
             "there) or copy its ~/.ray/auth_token here"
         )
-    from ray._private.authentication.authentication_token_setup import (
-        maybe_enable_token_auth_if_token_available,
-    )
-
+    try:  # what Ray itself does for a cluster it finds without an address
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # moved in another Ray: the variable alone, read when Ray starts
+        os.environ["RAY_AUTH_MODE"] = "token"
+        return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
