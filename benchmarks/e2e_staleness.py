@@ -408,7 +408,7 @@ def engine_window(totals: list[dict[str, float] | None], stamps: list[float]) ->
         "engine_prefill_share": d["prefill_steps"] / d["steps"] if d["steps"] else None,
         "engine_busy": d["step_s"] / wall if wall > 0 else None,
         "engine_tokens_per_s": d["sampled_tokens"] / wall if wall > 0 else None,
-        "engine_wall_s": wall,
+        "engine_sampled_tokens": d["sampled_tokens"],
         # Prompt positions copied from another request's cache (prefix_reuse) of all fed.
         "engine_reused_share": d.get("reused_tokens", 0)
         / max(d.get("reused_tokens", 0) + d["prefill_tokens"], 1),
@@ -425,10 +425,10 @@ def buffer_window(trained_tokens: list[float], engine: dict) -> dict:
     the engine's rate allows."""
     rate = engine.get("engine_tokens_per_s")
     trained = [t for t in trained_tokens if t == t]  # NaN: a run without the metric
-    if not trained or not rate or "engine_wall_s" not in engine:
+    if not trained or not rate:
         return {}
     per_step = statistics.fmean(trained)
-    generated = rate * engine["engine_wall_s"]
+    generated = engine["engine_sampled_tokens"]
     return {
         "trained_tokens_per_step": per_step,
         "buffer_steps_drawn": (sum(trained) - generated) / per_step if per_step else None,

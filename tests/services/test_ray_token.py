@@ -20,16 +20,11 @@ import pytest
 
 pytest.importorskip("ray")
 
+from areal_sdk.services.ray_placement import free_port
 from tests.services.conftest import small_ray_run
 from tests.services.test_processes_run import LiveRun, _assert_trained_once
 
 RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_listening(port: int, head: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
@@ -58,7 +53,7 @@ def head(request, tmp_path, monkeypatch):
     env = dict(os.environ)
     if request.param == "disabled":
         env["RAY_AUTH_MODE"] = "disabled"
-    port = _free_port()
+    port = free_port("127.0.0.1")
     ray_cli = str(Path(sys.executable).with_name("ray"))
     process = subprocess.Popen(
         [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
