@@ -155,7 +155,7 @@ class AsyncTrainer:
         *,
         backend: TrainBackend,
         controller: RolloutController,
-        push_weights: Callable[[int], Awaitable[None]],
+        push_weights: Callable[[int], Awaitable[Mapping[str, float] | None]],
         store: TrajectoryStore,
         run_dir: Path,
         log: Callable[[int, dict[str, float]], None],
@@ -351,7 +351,7 @@ class AsyncTrainer:
         metrics = await asyncio.to_thread(self._train_on, groups, index)
         new_version = self.backend.version
         t_push = time.perf_counter()
-        await self.push_weights(new_version)
+        push_parts = await self.push_weights(new_version)
         push_s = time.perf_counter() - t_push
         ids = [e.id for g in groups for e in g.episodes]
         await asyncio.to_thread(self.store.mark_consumed, ids, index)
@@ -359,6 +359,7 @@ class AsyncTrainer:
         rewards = [r for g in groups for r in g.rewards]
         elapsed = time.perf_counter() - self._rollout_started
         metrics.update(metrics_of_drops)
+        metrics.update(push_parts or {})
         metrics.update(
             {
                 "rollout/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),

@@ -113,8 +113,12 @@ class WeightPusher:
         self.pause_mode = PauseMode(cfg.weights.pause_mode)
         self.sync = host.weight_sync_method(cfg.weights.method)(cfg, engine=engine)
 
-    async def __call__(self, version: int) -> None:
+    async def __call__(self, version: int) -> dict[str, float]:
+        """Push ``version``; returns the seconds the engine took to pause, the buckets to
+        arrive and the engine to resume (``time/push_*_s``), which tell a slow push's part."""
+        started = time.perf_counter()
         await self.engine.pause(self.pause_mode)
+        paused = time.perf_counter()
         try:
             try:
                 await self._push(version)
@@ -129,13 +133,20 @@ class WeightPusher:
                 f"weights.timeout_s={self.timeout_s:g} s"
             ) from None
         finally:
+            sent = time.perf_counter()
             await self.engine.resume()
+        resumed = time.perf_counter()
         if self.engine.version != version:
             raise TrainingError(
                 f"the engine serves version {self.engine.version} after pushing {version}"
             )
         if self.after is not None:
             await self.after(version)
+        return {
+            "time/push_pause_s": paused - started,
+            "time/push_send_s": sent - paused,
+            "time/push_resume_s": resumed - sent,
+        }
 
     async def _push(self, version: int) -> None:
         if self.sync.takes_adapter:  # an engine serving LoRA adapters (train.lora)

@@ -65,7 +65,7 @@ async def solve(task):
 """
 
 
-TIMES = ("wait_s", "push_s", "step_s")
+TIMES = ("wait_s", "push_s", "push_pause_s", "push_send_s", "push_resume_s", "step_s")
 # Per-step rollout figures reported beside the times.
 ROLLOUT = ("tokens_per_s", "staleness_mean", "dropped_stale_groups", "trained_tokens")
 
@@ -290,7 +290,7 @@ def run_setting(
     steady = times[args.warmup :] or times
     split = {
         f"{k}_mean": statistics.fmean(t[k] for t in steady) if steady else None
-        for k in ("wait_s", "push_s")
+        for k in ("wait_s", "push_s", "push_pause_s", "push_send_s", "push_resume_s")
     }
     split["train_s_mean"] = (
         statistics.fmean(t["step_s"] - t["wait_s"] - t["push_s"] for t in steady)
