@@ -94,6 +94,7 @@ class RunResult:
 
 class WeightPusher:
     """Pause the engine, push the trainer's weights as ``version``, resume; bounded in time.
+    An engine that swaps a push in at once (``WeightSync.swaps_atomically``) is not paused.
     ``after`` runs once the engine serves the new version (the gateway process learns it)."""
 
     def __init__(
@@ -117,7 +118,12 @@ class WeightPusher:
         """Push ``version``; returns the seconds the engine took to pause, the buckets to
         arrive and the engine to resume (``time/push_*_s``), which tell a slow push's part."""
         started = time.perf_counter()
-        await self.engine.pause(self.pause_mode)
+        # An engine that swaps the whole push in at once between two steps needs no pause;
+        # its in-flight requests then recompute their keys as a retract would (or keep them,
+        # as in place, without inference.recompute_kv_on_update). An abort still pauses.
+        pause = not (self.sync.swaps_atomically and self.pause_mode != PauseMode.ABORT)
+        if pause:
+            await self.engine.pause(self.pause_mode)
         paused = time.perf_counter()
         try:
             try:
@@ -134,7 +140,8 @@ class WeightPusher:
             ) from None
         finally:
             sent = time.perf_counter()
-            await self.engine.resume()
+            if pause:
+                await self.engine.resume()
         resumed = time.perf_counter()
         if self.engine.version != version:
             raise TrainingError(

@@ -2,7 +2,8 @@
 
 Routes: ``/generate`` (text or input_ids, batched lists, ``n``, return_logprob, SSE stream,
 rid), ``/update_weights_from_disk``, ``/update_weights_from_tensor`` (CUDA IPC handles, or
-CPU shared memory in one process; ``load_format`` null, ``direct`` or ``flattened_bucket``),
+CPU shared memory in one process; ``load_format`` null, ``direct`` or ``flattened_bucket``;
+``stage_for_version``/``staged_buckets`` push without a pause, ``weight_stage.py``),
 ``/update_weight_version``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/get_model_info``,
 ``/get_weight_version``, ``/get_server_info``, ``/get_load``, ``/health``,
@@ -35,6 +36,7 @@ from areal_sdk.backends.embedded.protocol import (
     finish_reason_json,
     split_request,
 )
+from areal_sdk.backends.embedded.weight_stage import StageError, WeightStage
 from areal_sdk.backends.embedded.weights import WeightUpdateError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,6 +80,10 @@ class UpdateFromTensor(BaseModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    # Extensions for a push without a pause (weight_stage.py): a bucket staged for this
+    # version, and on the last bucket how many were staged before it.
+    stage_for_version: str | None = None
+    staged_buckets: int = 0
 
 
 class PauseBody(BaseModel):
@@ -350,6 +356,8 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             {"success": success, "message": message}, status_code=200 if success else 400
         )
 
+    stage = WeightStage()
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         from areal_sdk.backends.weight_sync.cuda_ipc import PayloadError, read_sglang_payload
@@ -373,17 +381,29 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             named = read_sglang_payload(body.serialized_named_tensors[0], body.load_format)
         except PayloadError as exc:
             return _result(False, str(exc))
+        if body.stage_for_version is not None:
+            target = _parse_version(body.stage_for_version, engine.version)
+            count = len(named)
+            await asyncio.to_thread(stage.add, target, dict(named))
+            del named  # copied: the sender may free the bucket once this request returns
+            return _result(True, f"staged {count} tensors for weight version {target}")
+        tensors = dict(named)
+        if body.staged_buckets:
+            try:
+                tensors = {**stage.take(version, body.staged_buckets), **tensors}
+            except StageError as exc:
+                return _result(False, str(exc))
         if body.abort_all_requests:
             await engine.abort_all()
         try:
-            await engine.update_weights(dict(named), version, flush_cache=body.flush_cache)
+            await engine.update_weights(tensors, version, flush_cache=body.flush_cache)
         except WeightUpdateError as exc:
             return _result(False, str(exc))
         finally:
             # The tensors are views of the sender's memory: drop them before answering, so
             # the sender may free the bucket once this request returns.
-            count = len(named)
-            del named
+            count = len(tensors)
+            del named, tensors
         return _result(True, f"loaded {count} tensors; weight version {engine.version}")
 
     # -- SGLang's weight-update group: the trainer is rank 0 and broadcasts each tensor -----

@@ -430,18 +430,29 @@ class SGLangBackend(InferenceBackend):
         load_format: str | None = "flattened_bucket",
         weight_version: int | None = None,
         timeout_s: float | None = None,
+        flush_cache: bool = True,
+        stage_for_version: int | None = None,
+        staged_buckets: int = 0,
     ) -> None:
         """One bucket's ``/update_weights_from_tensor`` on every live server (the same
         payload for each of its TP ranks: colocated ranks open the same handle). The bucket
         must stay alive until this returns; with ``weight_version`` (the last bucket) the
-        servers serve that version afterwards."""
+        servers serve that version afterwards.
+
+        ``stage_for_version`` and ``staged_buckets`` are the embedded engine's push without a
+        pause (``backends/embedded/weight_stage.py``): buckets staged aside, then loaded all
+        at once with the last one, which says how many were staged."""
         body: dict[str, Any] = {
             "load_format": load_format,
-            "flush_cache": True,
+            "flush_cache": flush_cache,
             "abort_all_requests": False,
         }
         if weight_version is not None:
             body["weight_version"] = str(int(weight_version))
+        if stage_for_version is not None:
+            body["stage_for_version"] = str(int(stage_for_version))
+        if staged_buckets:
+            body["staged_buckets"] = staged_buckets
 
         async def push(server: Server) -> Any:
             one = {"serialized_named_tensors": [payload] * server.tp_size, **body}

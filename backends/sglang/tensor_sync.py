@@ -62,16 +62,29 @@ class SGLangTensorSync(ServerWeightSync):
         timeout_s: float = 120.0,
         dtype: torch.dtype | None = None,
         trainer_rank: int = 0,
+        flush_cache: bool = True,
+        staged: bool = False,
     ) -> None:
         super().__init__(timeout_s=timeout_s, dtype=dtype, trainer_rank=trainer_rank)
         self.engine = engine
         self.device = torch.device(device)
+        self.flush_cache = flush_cache
+        # The servers stage buckets and load them at once (our engine's servers): the push
+        # needs no pause, so generation goes on while the buckets travel.
+        self.swaps_atomically = staged
 
     @classmethod
     def from_config(
         cls, engine: SGLangBackend, config: Config, *, trainer_rank: int = 0, **overrides: Any
     ) -> SGLangTensorSync:
-        return cls(engine, **{**cls.config_args(config, trainer_rank), **overrides})
+        args = {
+            **cls.config_args(config, trainer_rank),
+            # Without a pause, a retract's recomputation happens at the swap.
+            "flush_cache": config.inference.recompute_kv_on_update
+            or config.weights.pause_mode == "retract",
+            "staged": config.inference.backend == "embedded",
+        }
+        return cls(engine, **{**args, **overrides})
 
     async def _push(self, state: Iterable[NamedTensors], version: int) -> tuple[int, int]:
         deadline = time.monotonic() + self.timeout_s
@@ -93,7 +106,7 @@ class SGLangTensorSync(ServerWeightSync):
                 groups = split_by_dtype(bucket, self.dtype)
                 for i, (dtype, part) in enumerate(groups):
                     last = following is None and i == len(groups) - 1
-                    nbytes += await self._send(part, dtype, version if last else None, deadline)
+                    nbytes += await self._send(part, dtype, version, last, index, deadline)
                     tensors += len(part)
                     index += 1
                 bucket = following
@@ -112,8 +125,16 @@ class SGLangTensorSync(ServerWeightSync):
         return tensors, nbytes
 
     async def _send(
-        self, part: NamedTensors, dtype: torch.dtype, version: int | None, deadline: float
+        self,
+        part: NamedTensors,
+        dtype: torch.dtype,
+        version: int,
+        last: bool,
+        index: int,
+        deadline: float,
     ) -> int:
+        """Request ``index`` of the push: loaded at once, staged (``swaps_atomically``), or
+        with ``last`` the one that makes the servers serve ``version``."""
         bucket = flattened_bucket(part, self.device, dtype)
         flat = bucket["flattened_tensor"]
         size = flat.numel() * flat.element_size()
@@ -121,9 +142,15 @@ class SGLangTensorSync(ServerWeightSync):
             # The server reads this memory from another process: no stream order there.
             torch.cuda.current_stream(flat.device).synchronize()
         left = self._left(deadline)
+        staging = self.swaps_atomically and not last
         await asyncio.wait_for(
             self.engine.update_weights_from_tensor(
-                sglang_payload(bucket), weight_version=version, timeout_s=left
+                sglang_payload(bucket),
+                weight_version=version if last else None,
+                timeout_s=left,
+                flush_cache=self.flush_cache,
+                stage_for_version=version if staging else None,
+                staged_buckets=index if self.swaps_atomically and last else 0,
             ),
             left,
         )

@@ -145,6 +145,9 @@ class WeightSync(abc.ABC):
     method: ClassVar[str]
     # True for a method that moves a LoRA adapter (``push_adapter``) instead of whole weights.
     takes_adapter: ClassVar[bool] = False
+    # True where the engine loads a push's buckets in one step between two of its own, so
+    # the push needs no pause: generation goes on while the buckets travel.
+    swaps_atomically: bool = False
 
     def __init__(
         self, *, timeout_s: float, dtype: torch.dtype | None = None, trainer_rank: int = 0

@@ -192,3 +192,88 @@ async def test_direct_pairs_load_and_set_the_version(served: tuple[str, Embedded
     assert response.status_code == 200 and response.json()["success"] is True
     assert engine.version == 3
     torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], new)
+
+
+async def test_a_staged_push_serves_the_old_weights_until_its_last_bucket(
+    served: tuple[str, EmbeddedEngine],
+) -> None:
+    """Our servers take a push without a pause: buckets staged for a version change nothing
+    that is sampled until the last one loads them all at once."""
+    url, engine = served
+    norm = dict(engine.model.named_parameters())["model.norm.weight"].detach().clone()
+    new_norm = torch.full_like(norm, 0.25)
+    embed = dict(engine.model.named_parameters())["model.embed_tokens.weight"]
+    new_embed = torch.randn_like(embed.detach())
+    generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        before = (await http.post("/generate", json=generate)).json()["output_ids"]
+        staged = tensor_body(
+            sglang_payload([("model.norm.weight", new_norm)]), stage_for_version="4"
+        )
+        response = await http.post("/update_weights_from_tensor", json=staged)
+        assert response.status_code == 200 and "staged 1 tensors" in response.json()["message"]
+        # Staged, not loaded: the same weights and version serve meanwhile.
+        assert (await http.post("/generate", json=generate)).json()["output_ids"] == before
+        torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], norm)
+        assert engine.version == 0
+        last = tensor_body(
+            sglang_payload([("model.embed_tokens.weight", new_embed)]),
+            weight_version="4",
+            staged_buckets=1,
+        )
+        response = await http.post("/update_weights_from_tensor", json=last)
+        assert response.status_code == 200, response.text
+    own = dict(engine.model.named_parameters())
+    torch.testing.assert_close(own["model.norm.weight"], new_norm)
+    torch.testing.assert_close(own["model.embed_tokens.weight"], new_embed)
+    assert engine.version == 4
+
+
+async def test_a_last_bucket_without_its_staged_ones_is_refused(
+    served: tuple[str, EmbeddedEngine],
+) -> None:
+    """A server that joined mid-push, or lost a bucket, must not load half a version."""
+    url, engine = served
+    norm = dict(engine.model.named_parameters())["model.norm.weight"].detach().clone()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        staged = tensor_body(
+            sglang_payload([("model.norm.weight", torch.zeros_like(norm))]), stage_for_version="2"
+        )
+        assert (await http.post("/update_weights_from_tensor", json=staged)).status_code == 200
+        last = tensor_body(
+            sglang_payload([("model.norm.weight", torch.ones_like(norm))]),
+            weight_version="3",  # another version's push: the stage for 2 does not count
+            staged_buckets=1,
+        )
+        response = await http.post("/update_weights_from_tensor", json=last)
+    assert response.status_code == 400
+    assert "staged 0 of 1 buckets" in response.json()["message"]
+    assert engine.version == 0
+    torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], norm)
+
+
+@pytest.mark.parametrize(("pause_mode", "pauses"), [("retract", 0), ("abort", 1)])
+async def test_the_run_pushes_into_our_servers_without_a_pause(
+    backend: SGLangBackend,
+    served: tuple[str, EmbeddedEngine],
+    tiny_model_dir: Path,
+    tmp_path,
+    pause_mode: str,
+    pauses: int,
+) -> None:
+    """Generation goes on while the buckets travel; an abort still pauses (it must end the
+    requests in flight)."""
+    from areal_sdk.plugin_host import get_host
+    from areal_sdk.training_run import WeightPusher
+
+    _, engine = served
+    cfg = config(tiny_model_dir, tmp_path, bucket_mb=1, pause_mode=pause_mode)
+    trainer = TorchBackend(tiny_model_dir, train_config())
+    trainer.train_step(micro_batches(40)[0], loss_fn(trainer.step))
+    pusher = WeightPusher(cfg, backend, trainer, get_host())
+    parts = await pusher(trainer.version)
+    assert backend._pauses == pauses
+    assert engine.version == trainer.version
+    assert set(parts) == {"time/push_pause_s", "time/push_send_s", "time/push_resume_s"}
+    out = await backend.generate(PROMPT, GREEDY)
+    assert out.output_ids == greedy(trainer_model(tiny_model_dir, trainer), PROMPT, 16)
