@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+# In the refusal of a last bucket whose stage is incomplete: the pusher pushes again.
+INCOMPLETE_STAGE = "staged an incomplete push"
+
 
 class StageError(ValueError):
     """A final bucket whose stage is incomplete (a server that joined mid-push, a lost
@@ -48,8 +51,8 @@ class WeightStage:
         self.clear()
         if expected_buckets and (held != version or count != expected_buckets):
             raise StageError(
-                f"the push of version {version} staged {count if held == version else 0} of "
-                f"{expected_buckets} buckets here; push it again"
+                f"{INCOMPLETE_STAGE}: the push of version {version} staged "
+                f"{count if held == version else 0} of {expected_buckets} buckets here"
             )
         return tensors
 

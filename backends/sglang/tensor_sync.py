@@ -27,8 +27,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from areal_sdk.backends.embedded.weight_stage import INCOMPLETE_STAGE
 from areal_sdk.backends.sglang.weight_sync import ServerWeightSync
-from areal_sdk.backends.weight_sync.base import NamedTensors
+from areal_sdk.backends.weight_sync.base import NamedTensors, PeerLostError
 from areal_sdk.backends.weight_sync.cuda_ipc import flattened_bucket, sglang_payload
 
 if TYPE_CHECKING:
@@ -115,7 +116,12 @@ class SGLangTensorSync(ServerWeightSync):
             served = await asyncio.wait_for(self.engine.served_versions(), self._left(deadline))
         except Exception as exc:
             what = str(exc) or f"no answer within timeout_s={self.timeout_s:g} s"
-            raise self._fail(version, self._peers, f"bucket request {index}: {what}") from exc
+            failure = self._fail(version, self._peers, f"bucket request {index}: {what}")
+            if INCOMPLETE_STAGE in what:
+                # A server joined (or restarted) mid-push and missed staged buckets: a fresh
+                # push reaches every server in rotation now.
+                raise PeerLostError(str(failure), lost=[]) from exc
+            raise failure from exc
         finally:
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()  # free buckets the servers have released

@@ -6,6 +6,7 @@ shared-memory file descriptors; on a GPU the same payload carries CUDA IPC handl
 from __future__ import annotations
 
 import base64
+import contextlib
 import pickle
 from pathlib import Path
 
@@ -247,6 +248,7 @@ async def test_a_last_bucket_without_its_staged_ones_is_refused(
         )
         response = await http.post("/update_weights_from_tensor", json=last)
     assert response.status_code == 400
+    assert "incomplete push" in response.json()["message"]
     assert "staged 0 of 1 buckets" in response.json()["message"]
     assert engine.version == 0
     torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], norm)
@@ -277,3 +279,47 @@ async def test_the_run_pushes_into_our_servers_without_a_pause(
     assert set(parts) == {"time/push_pause_s", "time/push_send_s", "time/push_resume_s"}
     out = await backend.generate(PROMPT, GREEDY)
     assert out.output_ids == greedy(trainer_model(tiny_model_dir, trainer), PROMPT, 16)
+
+
+async def test_a_server_joining_mid_push_gets_the_whole_version(
+    backend: SGLangBackend, tiny_model_dir: Path, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It missed the buckets staged before it joined, so it refuses the last one; the run
+    pushes again, and every server then serves the trainer's weights."""
+    from areal_sdk.plugin_host import get_host
+    from areal_sdk.training_run import WeightPusher
+    from tests.backends.sglang.conftest import engine_server, make_engine
+
+    # Two servers open each payload: shared CPU memory by file name, which (as a CUDA IPC
+    # handle) opens more than once; a passed file descriptor opens once.
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    late = make_engine(tiny_model_dir)
+    with engine_server(late) as srv, contextlib.ExitStack() as restore:
+        restore.callback(torch.multiprocessing.set_sharing_strategy, strategy)
+        cfg = config(tiny_model_dir, tmp_path, bucket_mb=1)
+        trainer = TorchBackend(tiny_model_dir, train_config())
+        trainer.train_step(micro_batches(40)[0], loss_fn(trainer.step))
+        pusher = WeightPusher(cfg, backend, trainer, get_host())
+        pusher.bucket_bytes = 32 * 1024  # many buckets
+        send = backend.update_weights_from_tensor
+        calls = 0
+
+        async def join_after_the_first_bucket(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                backend.add_server(srv.url)
+            return await send(*args, **kwargs)
+
+        backend.update_weights_from_tensor = join_after_the_first_bucket  # type: ignore[method-assign]
+        await pusher(trainer.version)
+        assert "incomplete push" in caplog.text and "pushing version 1 again" in caplog.text
+        assert late.version == trainer.version
+        expected = greedy(trainer_model(tiny_model_dir, trainer), PROMPT, 16)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            body = {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+            }
+            assert (await http.post("/generate", json=body)).json()["output_ids"] == expected
