@@ -388,11 +388,11 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             del named  # copied: the sender may free the bucket once this request returns
             return _result(True, f"staged {count} tensors for weight version {target}")
         tensors = dict(named)
-        if body.staged_buckets:
-            try:
-                tensors = {**stage.take(version, body.staged_buckets), **tensors}
-            except StageError as exc:
-                return _result(False, str(exc))
+        try:
+            # Empties the stage: an abandoned push's buckets go with the next load.
+            tensors = {**stage.take(version, body.staged_buckets), **tensors}
+        except StageError as exc:
+            return _result(False, str(exc))
         if body.abort_all_requests:
             await engine.abort_all()
         try:

@@ -46,10 +46,13 @@ class WeightStage:
 
     def take(self, version: int, expected_buckets: int) -> dict[str, torch.Tensor]:
         """The staged tensors of ``version``; raises ``StageError`` unless exactly
-        ``expected_buckets`` were staged for it. Empties the stage either way."""
+        ``expected_buckets`` were staged for it. Empties the stage either way (with
+        ``expected_buckets`` 0, a load that staged nothing, it returns nothing)."""
         held, count, tensors = self.version, self.buckets, self._tensors
         self.clear()
-        if expected_buckets and (held != version or count != expected_buckets):
+        if not expected_buckets:
+            return {}
+        if held != version or count != expected_buckets:
             raise StageError(
                 f"{INCOMPLETE_STAGE}: the push of version {version} staged "
                 f"{count if held == version else 0} of {expected_buckets} buckets here"
