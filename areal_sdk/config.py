@@ -145,6 +145,12 @@ class InferenceConfig(Section):
         ge=1,
         description="embedded engine: prompt tokens per step (default 2048 on CPU, 512 on CUDA)",
     )
+    idle_prefill_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="embedded engine: prompt tokens in a step where no request decodes, e.g. "
+        "keys recomputed after a push (default 8192 on CUDA, else prefill_chunk)",
+    )
     cuda_graphs: bool | None = Field(None, description="embedded engine: decode CUDA graphs")
     prompt_hold_steps: int | None = Field(
         None,

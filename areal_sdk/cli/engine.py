@@ -46,6 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="prompt tokens fed per step (default 2048 on CPU, 512 on CUDA)",
     )
     parser.add_argument(
+        "--idle-prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens in a step where no request decodes (default 8192 on CUDA, else "
+        "--prefill-chunk)",
+    )
+    parser.add_argument(
         "--served-model-name", default=None, help="the name /get_model_info reports"
     )
     parser.add_argument(
@@ -101,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
         return fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    chunk_ok = args.prefill_chunk is None or args.prefill_chunk >= 1
+    chunk_ok = all(c is None or c >= 1 for c in (args.prefill_chunk, args.idle_prefill_chunk))
     len_ok = args.max_model_len is None or args.max_model_len >= 16
     if args.max_batch_size < 1 or not len_ok or not chunk_ok:
-        return fail("--max-batch-size and --prefill-chunk must be >= 1, --max-model-len >= 16")
+        return fail(
+            "--max-batch-size, --prefill-chunk and --idle-prefill-chunk must be >= 1, "
+            "--max-model-len >= 16"
+        )
     if args.prompt_hold_steps is not None and args.prompt_hold_steps < 0:
         return fail(f"--prompt-hold-steps must be >= 0, got {args.prompt_hold_steps}")
     if args.weight_version < 0:
@@ -148,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
                     max_batch_size=args.max_batch_size,
                     max_model_len=args.max_model_len,
                     prefill_chunk=args.prefill_chunk,
+                    idle_prefill_chunk=args.idle_prefill_chunk,
                     cuda_graphs=args.cuda_graphs,
                     prompt_hold_steps=args.prompt_hold_steps,
                     overlap_decode=args.overlap_decode,

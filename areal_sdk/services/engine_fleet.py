@@ -424,6 +424,8 @@ class EngineFleet:
             cmd += ["--max-model-len", str(inference.max_model_len)]
         if inference.prefill_chunk is not None:
             cmd += ["--prefill-chunk", str(inference.prefill_chunk)]
+        if inference.idle_prefill_chunk is not None:
+            cmd += ["--idle-prefill-chunk", str(inference.idle_prefill_chunk)]
         if cfg.model.tokenizer is not None:
             cmd += ["--tokenizer", cfg.model.tokenizer]
         if inference.cuda_graphs is not None:

@@ -55,6 +55,9 @@ from areal_sdk.models import resolve_max_model_len
 
 log = logging.getLogger(__name__)
 
+# Prompt tokens in a CUDA step that holds no decoding row back (EngineConfig).
+IDLE_PREFILL_CHUNK = 8192
+
 
 class EngineInputError(ValueError):
     """A request the engine cannot serve as given (the HTTP server answers 400)."""
@@ -81,6 +84,10 @@ class EngineConfig:
     # None: 2048 on CPU (a 16 x 128-token prompt batch in one compute-bound step), 512 on
     # CUDA (long prefill steps run outside the decode graphs and hold decoding rows back).
     prefill_chunk: int | None = None
+    # The bound for a step in which no running request decodes, so no decode waits on it
+    # (keys recomputed after a weight push, a burst of new prompts). None: 8192 where packed
+    # prefill runs on CUDA (fewer, fuller steps), else prefill_chunk.
+    idle_prefill_chunk: int | None = None
     cuda_graphs: bool | None = None  # None: on for CUDA
     packed_prefill: bool | None = None  # None: on where the flash varlen kernel runs
     packed_weights: bool | None = None  # None: on for CPU (packed_linear.py)
@@ -157,6 +164,11 @@ class EmbeddedEngine(InferenceBackend):
         self.prefill_chunk = self.config.prefill_chunk or (
             2048 if self.runner.device.type == "cpu" else 512
         )
+        idle = self.config.idle_prefill_chunk
+        if idle is None:
+            packed_on_cuda = self.runner.device.type == "cuda" and self.runner.packed_prefill
+            idle = IDLE_PREFILL_CHUNK if packed_on_cuda else self.prefill_chunk
+        self.idle_prefill_chunk = max(idle, self.prefill_chunk)
         hold = self.config.prompt_hold_steps
         self.prompt_hold_steps = (16 if self.runner.graphs_enabled else 0) if hold is None else hold
         self._prompt_batch = max(1, self.config.max_batch_size // 8)
@@ -667,7 +679,8 @@ class EmbeddedEngine(InferenceBackend):
                 while self._waiting and self._free_slots:
                     self._admit(self._waiting.popleft())
         version = self._version
-        budget = self.prefill_chunk
+        decoding = any(r.remaining == 1 for r in self._active)
+        budget = self.prefill_chunk if decoding else self.idle_prefill_chunk
         prefill: list[tuple[Request, RowInput, bool]] = []
         decode: list[Request] = []
         for request in self._active:

@@ -37,6 +37,7 @@ def create_engine(config: Config) -> EmbeddedEngine:
             max_batch_size=inference.max_batch_size,
             max_model_len=inference.max_model_len,
             prefill_chunk=inference.prefill_chunk,
+            idle_prefill_chunk=inference.idle_prefill_chunk,
             cuda_graphs=inference.cuda_graphs,
             prompt_hold_steps=inference.prompt_hold_steps,
             overlap_decode=inference.overlap_decode,

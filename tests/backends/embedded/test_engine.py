@@ -406,3 +406,26 @@ def test_decode_cache_length_buckets_cover_every_step_at_most_twice_over(max_len
     for needed in range(1, max_len + 2):
         chosen = next(b for b in buckets if b >= needed)
         assert chosen <= max(128, 2 * needed)
+
+
+async def test_steps_where_nothing_decodes_take_the_larger_prompt_chunk(tiny_model_dir) -> None:
+    """A burst of prompts with no request decoding yet (as after a weight push recomputes
+    every running request's keys) is fed in ``idle_prefill_chunk`` pieces: fewer steps,
+    the same tokens."""
+    settings = {"max_batch_size": 8, "prefill_chunk": 16, "reuse_prefixes": False}
+    small = make_engine(tiny_model_dir, idle_prefill_chunk=16, **settings)
+    large = make_engine(tiny_model_dir, idle_prefill_chunk=512, **settings)
+    try:
+        batch = [p for p in prompts(small, 8) if len(p) > 8][:6]
+        assert sum(len(p) for p in batch) > 4 * 16
+        runs = []
+        for eng in (small, large):
+            before = eng.stats().prefill_steps
+            outs = await asyncio.gather(*(eng.generate(p, GREEDY) for p in batch))
+            runs.append(([o.output_ids for o in outs], eng.stats().prefill_steps - before))
+        (small_ids, small_steps), (large_ids, large_steps) = runs
+        assert large_ids == small_ids
+        assert large_steps == 1 < small_steps
+    finally:
+        await small.close()
+        await large.close()
