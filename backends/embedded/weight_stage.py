@@ -38,9 +38,9 @@ class WeightStage:
             self.clear()
             self.version = version
         copies = {name: t.detach().clone() for name, t in named.items()}
-        if any(t.is_cuda for t in copies.values()):
-            # The sender frees its buffer once this request returns.
-            torch.cuda.current_stream().synchronize()
+        # The sender frees its buffer once this request returns: the copies must be done.
+        for device in {t.device for t in copies.values() if t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
         self._tensors.update(copies)
         self.buckets += 1
 
