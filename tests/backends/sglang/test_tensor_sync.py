@@ -195,15 +195,20 @@ async def test_direct_pairs_load_and_set_the_version(served: tuple[str, Embedded
     torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], new)
 
 
+def param(engine: EmbeddedEngine, name: str) -> torch.Tensor:
+    """The engine's parameter ``name`` as it serves now."""
+    return dict(engine.model.named_parameters())[name]
+
+
 async def test_a_staged_push_serves_the_old_weights_until_its_last_bucket(
     served: tuple[str, EmbeddedEngine],
 ) -> None:
     """Our servers take a push without a pause: buckets staged for a version change nothing
     that is sampled until the last one loads them all at once."""
     url, engine = served
-    norm = dict(engine.model.named_parameters())["model.norm.weight"].detach().clone()
+    norm = param(engine, "model.norm.weight").detach().clone()
     new_norm = torch.full_like(norm, 0.25)
-    embed = dict(engine.model.named_parameters())["model.embed_tokens.weight"]
+    embed = param(engine, "model.embed_tokens.weight")
     new_embed = torch.randn_like(embed.detach())
     generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -215,7 +220,7 @@ async def test_a_staged_push_serves_the_old_weights_until_its_last_bucket(
         assert response.status_code == 200 and "staged 1 tensors" in response.json()["message"]
         # Staged, not loaded: the same weights and version serve meanwhile.
         assert (await http.post("/generate", json=generate)).json()["output_ids"] == before
-        torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], norm)
+        torch.testing.assert_close(param(engine, "model.norm.weight"), norm)
         assert engine.version == 0
         last = tensor_body(
             sglang_payload([("model.embed_tokens.weight", new_embed)]),
@@ -235,7 +240,7 @@ async def test_a_last_bucket_without_its_staged_ones_is_refused(
 ) -> None:
     """A server that joined mid-push, or lost a bucket, must not load half a version."""
     url, engine = served
-    norm = dict(engine.model.named_parameters())["model.norm.weight"].detach().clone()
+    norm = param(engine, "model.norm.weight").detach().clone()
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         staged = tensor_body(
             sglang_payload([("model.norm.weight", torch.zeros_like(norm))]), stage_for_version="2"
@@ -251,7 +256,7 @@ async def test_a_last_bucket_without_its_staged_ones_is_refused(
     assert "incomplete push" in response.json()["message"]
     assert "staged 0 of 1 buckets" in response.json()["message"]
     assert engine.version == 0
-    torch.testing.assert_close(dict(engine.model.named_parameters())["model.norm.weight"], norm)
+    torch.testing.assert_close(param(engine, "model.norm.weight"), norm)
 
 
 @pytest.mark.parametrize(("pause_mode", "pauses"), [("retract", 0), ("abort", 1)])
