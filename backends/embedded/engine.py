@@ -679,21 +679,22 @@ class EmbeddedEngine(InferenceBackend):
                 while self._waiting and self._free_slots:
                     self._admit(self._waiting.popleft())
         version = self._version
-        decoding = any(r.remaining == 1 for r in self._active)
-        budget = self.prefill_chunk if decoding else self.idle_prefill_chunk
-        prefill: list[tuple[Request, RowInput, bool]] = []
         decode: list[Request] = []
+        prompted: list[Request] = []
         for request in self._active:
-            if not self._ready(request):
-                continue
+            if self._ready(request):
+                (decode if request.remaining == 1 else prompted).append(request)
+        # With no row decoding, no one waits on the bound: take the larger one.
+        budget = self.prefill_chunk if decode else self.idle_prefill_chunk
+        prefill: list[tuple[Request, RowInput, bool]] = []
+        for request in prompted:
+            if budget <= 0:
+                break
             remaining = request.remaining
-            if remaining == 1:
-                decode.append(request)
-            elif budget > 0:
-                take = min(remaining, budget)
-                budget -= take
-                row = RowInput(request.slot, request.num_computed, self._tokens(request, take))
-                prefill.append((request, row, take == remaining))
+            take = min(remaining, budget)
+            budget -= take
+            row = RowInput(request.slot, request.num_computed, self._tokens(request, take))
+            prefill.append((request, row, take == remaining))
         if self._overlapped(prefill, decode, version):
             return
         stats = self._stats
