@@ -241,7 +241,8 @@ def check(device: str, fused: bool | None = None) -> dict:
     """Correctness where the benchmark runs: float32 tiny model, CUDA graphs on for CUDA.
 
     Greedy output under continuous batching equals HF ``generate`` run alone; logprobs equal
-    a full forward pass; a seeded request draws the same tokens alone and in a batch.
+    a full forward pass; a seeded request draws the same tokens alone and in a batch; after a
+    weight update the decode graphs captured before it generate with the new weights.
     """
     from areal_sdk.backends.embedded import EmbeddedEngine, EngineConfig
 
@@ -260,27 +261,46 @@ def check(device: str, fused: bool | None = None) -> dict:
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
 
+    g = torch.Generator().manual_seed(5)
+    update = {
+        name: (p.detach().cpu() + torch.randn(p.shape, generator=g) * 0.02).to(device)
+        for name, p in ref.named_parameters()
+    }
+
     async def main():
         together = await asyncio.gather(*(engine.generate(p, greedy) for p in batch))
         s_batch = await asyncio.gather(*(engine.generate(p, seeded) for p in batch))
         s_alone = await engine.generate(batch[5], seeded)
+        await engine.update_weights(update, 1)
+        updated = await asyncio.gather(*(engine.generate(p, greedy) for p in batch))
         await engine.close()
-        return together, s_batch, s_alone
+        return together, s_batch, s_alone, updated
 
-    together, s_batch, s_alone = asyncio.run(main())
+    together, s_batch, s_alone, updated = asyncio.run(main())
     ref.set_attn_implementation("sdpa")
-    greedy_ok, worst = 0, 0.0
-    with torch.inference_mode():
-        for p, out in zip(batch, together, strict=True):
-            ids = torch.tensor([p], device=device)
-            hf = ref.generate(
-                ids, max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
-            )
-            greedy_ok += hf[0, len(p) :].tolist() == out.output_ids
-            full = torch.tensor([p + out.output_ids], device=device)
-            lp = torch.log_softmax(ref(full).logits[0].float(), dim=-1)
-            want = lp[len(p) - 1 : -1].gather(1, full[0, len(p) :].view(-1, 1)).view(-1).tolist()
-            worst = max(worst, max(abs(a - b) for a, b in zip(want, out.logprobs, strict=True)))
+
+    def agreement(outs) -> tuple[int, float]:
+        greedy_ok, worst = 0, 0.0
+        with torch.inference_mode():
+            for p, out in zip(batch, outs, strict=True):
+                ids = torch.tensor([p], device=device)
+                hf = ref.generate(
+                    ids, max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
+                )
+                greedy_ok += hf[0, len(p) :].tolist() == out.output_ids
+                full = torch.tensor([p + out.output_ids], device=device)
+                lp = torch.log_softmax(ref(full).logits[0].float(), dim=-1)
+                picked = full[0, len(p) :].view(-1, 1)
+                want = lp[len(p) - 1 : -1].gather(1, picked).view(-1).tolist()
+                err = max(abs(a - b) for a, b in zip(want, out.logprobs, strict=True))
+                worst = max(worst, err)
+        return greedy_ok, worst
+
+    greedy_ok, worst = agreement(together)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(update[name])
+    greedy_after, worst_after = agreement(updated)
     return {
         "variant": "check" if fused is None else f"check_fused_{fused}",
         "fused_decoder": fused_on,
@@ -290,6 +310,8 @@ def check(device: str, fused: bool | None = None) -> dict:
         "greedy_equal_hf": f"{greedy_ok}/8",
         "max_logprob_abs_err": worst,
         "seeded_batch_equals_alone": s_batch[5].output_ids == s_alone.output_ids,
+        "greedy_equal_hf_after_update": f"{greedy_after}/8",
+        "max_logprob_abs_err_after_update": worst_after,
     }
 
 

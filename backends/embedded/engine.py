@@ -349,6 +349,12 @@ class EmbeddedEngine(InferenceBackend):
             flush_cache = self.config.recompute_kv_on_update
         await self._call("update_weights", (source, int(version), flush_cache))
 
+    async def release_cached_memory(self) -> None:
+        """Give the device's cached free memory back (after a staged push, a whole model's
+        copies, for a trainer beside the engine). The engine thread does it between two
+        steps: from another thread it could land in a CUDA graph capture and spoil it."""
+        await self._call("release_cached_memory", None)
+
     async def set_version(self, version: int) -> None:
         """Relabel the current weights as ``version`` (SGLang's ``/update_weight_version``)."""
         await self._call("set_version", int(version))
@@ -553,6 +559,10 @@ class EmbeddedEngine(InferenceBackend):
                 for request in self._active:
                     request.num_computed = 0
                     request.kv_epoch = self._kv_epoch
+            return None
+        if kind == "release_cached_memory":
+            if self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
             return None
         if kind == "set_version":
             self._version = payload

@@ -16,6 +16,11 @@ become meta tensors (same names and shapes, no memory) and a weight update write
 values through ``write``. A weight that another module also reads (a head tied to the
 embedding) keeps its parameter.
 
+A plain (unpacked) stack keeps its storage for life: new weights and biases are copied
+into it. The engine's CUDA graphs read the addresses they were captured with, so a stack
+that took a new tensor on an update would leave every replay on the old weights, and on
+freed memory once the allocator gives it back.
+
 ``PackedLinears(model)`` packs every ``nn.Linear`` of the model on its own and gives it a
 forward that multiplies the packed copy outside autograd. After parameters change,
 ``repack(names)`` rebuilds the copies of the layers whose weights they are. ``SoleCopies``
@@ -114,15 +119,21 @@ class StackedLinear:
         elif len(self.linears) == 1:
             self.bias = biases[0]
         else:
-            self.bias = torch.cat(
-                [
-                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                    for m, b in zip(self.linears, biases, strict=True)
-                ]
+            self.bias = _into(
+                getattr(self, "bias", None),
+                torch.cat(
+                    [
+                        b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                        for m, b in zip(self.linears, biases, strict=True)
+                    ]
+                ),
             )
 
     def _set_weight(self, weight: torch.Tensor) -> None:
-        self.weight = pack_weight(weight) if self.packed else weight
+        if self.packed:
+            self.weight = pack_weight(weight)
+        else:
+            self.weight = _into(getattr(self, "weight", None), weight)
 
     def plain_weight(self) -> torch.Tensor:
         """The stacked weight in plain row-major layout (a new tensor when packed)."""
@@ -134,6 +145,9 @@ class StackedLinear:
         once every layer has one; ``flush`` applies a partial set."""
         if not self.sole_copy:
             raise RuntimeError("write is for stacks that hold the sole copy of their weights")
+        if not self.packed:  # straight into the stack's rows (see the module docstring)
+            self.weight[self.bounds[index] : self.bounds[index + 1]].copy_(value)
+            return
         self._staged[index] = value.to(device=self.device, dtype=self.dtype)
         if len(self._staged) == len(self.linears):
             self.flush()
@@ -276,6 +290,18 @@ class PackedLinears:
     def remove(self) -> None:
         """Give every layer its plain forward back and drop the packed copies."""
         plain_forward(self.linears)
+
+
+def _into(held: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into ``held`` where it fits (the storage stays), else ``value``."""
+    if (
+        held is not None
+        and held.shape == value.shape
+        and held.dtype == value.dtype
+        and held.device == value.device
+    ):
+        return held.copy_(value)
+    return value
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -404,10 +404,10 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             # the sender may free the bucket once this request returns.
             count = len(tensors)
             del named, tensors
-            if body.staged_buckets and torch.cuda.is_available():
-                # The staged copies (a whole model) go back to the card, for the trainer
-                # beside this engine.
-                torch.cuda.empty_cache()
+        if body.staged_buckets:
+            # The staged copies (a whole model) go back to the card, for the trainer beside
+            # this engine.
+            await engine.release_cached_memory()
         return _result(True, f"loaded {count} tensors; weight version {engine.version}")
 
     # -- SGLang's weight-update group: the trainer is rank 0 and broadcasts each tensor -----

@@ -119,3 +119,37 @@ def test_models_with_other_layers_keep_their_own_modules(tmp_path: Path) -> None
     model = Qwen3ForCausalLM(config).eval()  # q_norm / k_norm: mathematics the fused path lacks
     assert not fused_decoder.supports(model)
     assert ModelRunner(model, num_slots=2, max_len=16).fused is None
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["every-weight", "some-weights"])
+def test_updates_write_into_the_stacks_the_decode_graphs_read(
+    whole: bool, tiny_model_dir: Path
+) -> None:
+    # CUDA graphs replay the addresses they were captured with: an update that gave a stack
+    # new storage would leave every later decode step on the old weights.
+    model = _model(tiny_model_dir)
+    runner = ModelRunner(model, num_slots=2, max_len=32, fused_decoder=True, packed_weights=False)
+    assert runner.fused is not None
+    stacks = runner.fused.stacks
+    before = [
+        (s.weight.data_ptr(), s.bias.data_ptr() if s.bias is not None else None) for s in stacks
+    ]
+    assert any(b is not None for _, b in before)  # qwen2: q, k and v have biases
+    reference = _model(tiny_model_dir)
+    g = torch.Generator().manual_seed(3)
+    new = {
+        name: p.detach() + torch.randn(p.shape, generator=g) * 0.05
+        for name, p in reference.named_parameters()
+        if whole or name.endswith(("k_proj.bias", "v_proj.weight", "up_proj.weight"))
+    }
+    runner.load_weights(new)
+    after = [
+        (s.weight.data_ptr(), s.bias.data_ptr() if s.bias is not None else None) for s in stacks
+    ]
+    assert after == before
+    load_into(reference, new)
+    prompts = [[5, 9, 13, 2, 40], [7, 7, 3]]
+    got = _steps(runner, prompts, [[11, 12], [13, 14]])
+    expected = _full_forward(reference, prompts, [[11, 12], [13, 14]])
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
