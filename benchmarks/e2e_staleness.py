@@ -422,7 +422,9 @@ def buffer_window(trained_tokens: list[float], engine: dict) -> dict:
     the run sustains. ``buffer_steps_drawn`` counts how many steps' tokens the window took
     beyond what the engine generated in it (negative: the engine generated more, for groups
     dropped as stale or still in flight); ``generation_bound_s_per_step`` is the step time
-    the engine's rate allows."""
+    the engine's rate allows if every token it generates is trained, and
+    ``trained_share_of_generated`` how much of it was (the rest went on groups dropped as
+    stale and on episodes still running when the window closed)."""
     rate = engine.get("engine_tokens_per_s")
     trained = [t for t in trained_tokens if t == t]  # NaN: a run without the metric
     if not trained or not rate:
@@ -433,6 +435,7 @@ def buffer_window(trained_tokens: list[float], engine: dict) -> dict:
         "trained_tokens_per_step": per_step,
         "buffer_steps_drawn": (sum(trained) - generated) / per_step if per_step else None,
         "generation_bound_s_per_step": per_step / rate,
+        "trained_share_of_generated": sum(trained) / generated if generated else None,
     }
 
 
