@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The error of an episode stopped because its group could no longer be trained (it would
+# have been dropped as stale: rollout.max_staleness); such an episode is not retried.
+STOPPED_STALE = "stopped: its group can no longer be trained within rollout.max_staleness"
+
 
 class SessionClient(Protocol):
     """Opens and closes per-episode sessions; the gateway implements it over HTTP."""
@@ -270,6 +274,7 @@ class RolloutController:
             runner = InProcessRunner(agent, self.agent_kwargs)
         self.runner: AgentRunner = runner
         self.no_model_call = 0  # episodes failed for want of a captured model call
+        self.stopped_stale = 0  # episodes stopped: their group could no longer be trained
 
     @classmethod
     def from_config(
@@ -322,34 +327,47 @@ class RolloutController:
         metadata: dict[str, Any] | None = None,
         group_id: str | None = None,
         samples: Sequence[int] | None = None,
+        stop: asyncio.Event | None = None,
     ) -> list[Episode]:
         """One GRPO group: ``group_size`` final episodes of the same task, each with its
         sample index in ``metadata["sample"]``. ``group_id`` and ``samples`` run only some
-        samples of an existing group, to complete one that a crash cut short."""
+        samples of an existing group, to complete one that a crash cut short. Once ``stop``
+        is set (the group can no longer be trained), its unfinished episodes are stopped and
+        fail with ``STOPPED_STALE``."""
         group_id = group_id or f"grp-{task['id']}-{uuid.uuid4().hex[:8]}"
         indices = range(self.group_size) if samples is None else samples
         results = await asyncio.gather(
             *(
-                self.run_one(task, group_id, metadata={**(metadata or {}), "sample": i})
+                self.run_one(task, group_id, metadata={**(metadata or {}), "sample": i}, stop=stop)
                 for i in indices
             )
         )
         return [attempts[-1] for attempts in results]
 
     async def run_one(
-        self, task: dict[str, Any], group_id: str, *, metadata: dict[str, Any] | None = None
+        self,
+        task: dict[str, Any],
+        group_id: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        stop: asyncio.Event | None = None,
     ) -> list[Episode]:
         """One sample of a task, retried on failure; returns every attempt's episode."""
         attempts: list[Episode] = []
         for attempt in range(self.retries + 1):
-            episode = await self._attempt(task, group_id, attempt, metadata or {})
+            episode = await self._attempt(task, group_id, attempt, metadata or {}, stop)
             attempts.append(episode)
-            if episode.status == EpisodeStatus.OK:
+            if episode.status == EpisodeStatus.OK or episode.error == STOPPED_STALE:
                 break
         return attempts
 
     async def _attempt(
-        self, task: dict[str, Any], group_id: str, attempt: int, extra: dict[str, Any]
+        self,
+        task: dict[str, Any],
+        group_id: str,
+        attempt: int,
+        extra: dict[str, Any],
+        stop: asyncio.Event | None = None,
     ) -> Episode:
         async with self._slots:
             metadata: dict[str, Any] = {**extra, "attempt": attempt}
@@ -358,7 +376,7 @@ class RolloutController:
             ctx = EpisodeContext(
                 episode=episode, name="agent", base_url=self.sessions.base_url, api_key=api_key
             )
-            result, error = await self.runner.call(task, ctx, timeout_s=self.timeout_s)
+            result, error = await self._call_until(stop, task, ctx)
             self._finalize(ctx, task, result, error)
             try:
                 stored = await self.sessions.end(ctx)
@@ -374,6 +392,30 @@ class RolloutController:
             if asyncio.iscoroutine(maybe):
                 await maybe
         return stored
+
+    async def _call_until(
+        self, stop: asyncio.Event | None, task: dict[str, Any], ctx: EpisodeContext
+    ) -> tuple[Any, str | None]:
+        """``runner.call``, cancelled once ``stop`` is set: the runner stops the agent (a
+        worker is told to), and the gateway aborts the generation whose client left."""
+        if stop is None:
+            return await self.runner.call(task, ctx, timeout_s=self.timeout_s)
+        if stop.is_set():
+            return None, STOPPED_STALE
+        call = asyncio.ensure_future(self.runner.call(task, ctx, timeout_s=self.timeout_s))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({call, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not call.done():
+                call.cancel()
+                # Its cleanup (a worker told to cancel) finishes before the episode ends.
+                await asyncio.gather(call, return_exceptions=True)
+        if call.cancelled():
+            self.stopped_stale += 1
+            return None, STOPPED_STALE
+        return call.result()
 
     def _count_no_model_call(self, episode: Episode) -> None:
         self.no_model_call += 1

@@ -186,6 +186,9 @@ class AsyncTrainer:
         )
         self.version_offset = backend.version - backend.step
         self.buffer = GroupBuffer()
+        # Set once the groups started at that step can no longer be trained: their
+        # unfinished episodes stop, rather than generate for a group dropped as stale.
+        self._stale_after: dict[int, asyncio.Event] = {}
         self.max_seen_staleness = 0
         self._failed_in_a_row = 0  # groups whose every episode failed, since one did not
         self.groups_started = 0
@@ -253,12 +256,20 @@ class AsyncTrainer:
             },
             group_id=leftover.group.group_id if leftover else None,
             samples=leftover.missing if leftover else None,
+            stop=self._stale_after.setdefault(start_step, asyncio.Event()),
         )
         self._rollout_tokens += sum(e.num_tokens for e in episodes)
         kept = leftover.group.episodes if leftover else []
         self.buffer.put(Group(episodes[0].group_id or "", [*kept, *episodes]))
 
     # -- trainer -------------------------------------------------------------------------------
+
+    def _stop_stale_groups(self, step: int) -> None:
+        """Stop the episodes of groups that step ``step`` and every later one would drop as
+        stale: a long-tailed group otherwise keeps its slowest members generating for
+        nothing, and its admission slots from fresh groups."""
+        for start_step in [s for s in self._stale_after if not self.staleness.is_fresh(s, step)]:
+            self._stale_after.pop(start_step).set()
 
     def _check_failing(self, group: Group) -> None:
         """Count groups whose every episode failed; past ``FAILED_GROUPS_LIMIT`` in a row the
@@ -367,6 +378,8 @@ class AsyncTrainer:
                 "rollout/episodes": float(sum(len(g.episodes) for g in groups)),
                 "rollout/failed": float(sum(len(g.episodes) - len(g.ok) for g in groups)),
                 "rollout/no_model_call": float(self.controller.no_model_call),  # run total
+                # Run total: episodes stopped because their group could no longer train.
+                "rollout/stopped_stale": float(self.controller.stopped_stale),
                 "rollout/staleness_max": float(max(staleness)),
                 "rollout/staleness_mean": statistics.fmean(staleness),
                 "rollout/tokens_per_s": self._rollout_tokens / elapsed if elapsed > 0 else 0.0,
@@ -410,6 +423,7 @@ class AsyncTrainer:
                     raise TrainingError("the rollout producer stopped")
                 if self.stop.is_set():
                     break
+                self._stop_stale_groups(index)
                 waited = time.perf_counter()
                 taken = await unless_stopped(self._next_groups(index), self.stop)
                 if taken is None:

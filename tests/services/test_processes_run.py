@@ -20,8 +20,10 @@ import pytest
 
 from areal_sdk.cli.status import live_services
 from areal_sdk.metrics import read_metrics
+from areal_sdk.rollout import STOPPED_STALE
 from areal_sdk.store import TrajectoryStore
 from tests.training.conftest import train_subprocess
+from tests.training.test_loop import SLOW_FIRST_TASK
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -290,3 +292,17 @@ def test_a_trainer_that_cannot_load_stops_the_services_starting_beside_it(run_co
     assert asyncio.run(fail_and_look()) == []
     engine_log = path.parent / "run" / "services" / "engine-0.log"
     assert engine_log.is_file()  # the engine server did start beside the trainer
+
+
+def test_a_group_that_can_no_longer_be_trained_stops_in_its_worker(run_config, tmp_path):
+    config = _processes_config(run_config, steps=4, rollout={"max_staleness": 1})
+    (tmp_path / "toy_agent.py").write_text(SLOW_FIRST_TASK)  # each worker's first task hangs
+    run = LiveRun(config)
+    assert run.finish(600) == 0, run.output
+    _assert_trained_once(run.run_dir, 4)
+    with TrajectoryStore(run.run_dir) as store:
+        failed = [e for e in store.query(run_id="train") if e.status != "ok"]
+    # The workers cancelled the hung agents when their groups went stale, mid-run: an episode
+    # still running when the run ends is never stored.
+    assert failed and all(e.error == STOPPED_STALE for e in failed), failed
+    assert read_metrics(run.run_dir)[-1]["rollout/stopped_stale"] == len(failed)

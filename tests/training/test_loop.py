@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from areal_sdk.config import load_config
+from areal_sdk.rollout import STOPPED_STALE
 from areal_sdk.store import TrajectoryStore
 from areal_sdk.training_run import RunError, TrainingRun
 from areal_sdk.trajectory import Episode, EpisodeStatus
@@ -224,3 +225,48 @@ def test_an_evaluation_cut_short_runs_again_without_its_partial_episodes(run_con
         assert store.count(run_id="eval-initial") == 4
         assert store.count(run_id="eval-initial-partial") == 2
     assert json.loads((result.run_dir / "eval.json").read_text())["before"]["episodes"] == 4
+
+
+SLOW_FIRST_TASK = """
+import asyncio
+
+import areal_sdk as areal
+from openai import AsyncOpenAI
+
+SLOW = set()
+
+
+@areal.trace
+async def solve(task):
+    SLOW.add(next(iter(SLOW), task["id"]))  # the first task seen
+    reply = await AsyncOpenAI().chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": task["question"]}],
+        max_tokens=6,
+    )
+    if task["id"] in SLOW:  # a long tail: this group can never finish in time
+        await asyncio.sleep(600)
+    return float(len(reply.choices[0].message.content or "") % 3 == 0)
+"""
+
+
+def test_a_group_that_can_no_longer_be_trained_is_stopped_mid_run(run_config):
+    path = run_config(
+        run={"steps": 4}, rollout={"max_staleness": 1}, eval={"before": False, "after": False}
+    )
+    (path.parent / "toy_agent.py").write_text(SLOW_FIRST_TASK)
+    cfg, result = _run(path)
+    assert result.steps == 4
+    store = TrajectoryStore(cfg.run.dir)
+    failed = [e for e in store.query(run_id="train") if e.status != EpisodeStatus.OK]
+    assert failed, "the slow group was never stopped"
+    slow = [e for e in store.query(run_id="train") if e.task_id == failed[0].task_id]
+    # Started at step 0, the group cannot train from step 2 on (2 - 0 > 1): its agents were
+    # cancelled then and their episodes stored with the reason, not left to run out the run
+    # (episodes cancelled at the end of a run are never stored).
+    assert len(slow) == 2
+    assert all(e.status == EpisodeStatus.FAILED and e.error == STOPPED_STALE for e in slow)
+    assert all(e.metadata["attempt"] == 0 for e in slow)  # a stopped episode is not retried
+    assert not any(e.task_id == slow[0].task_id for e, _ in _consumed(cfg)[1])
+    logged = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["rollout/stopped_stale"] == 2
