@@ -401,6 +401,7 @@ class RolloutController:
         if stop is None:
             return await self.runner.call(task, ctx, timeout_s=self.timeout_s)
         if stop.is_set():
+            self.stopped_stale += 1
             return None, STOPPED_STALE
         call = asyncio.ensure_future(self.runner.call(task, ctx, timeout_s=self.timeout_s))
         stopped = asyncio.ensure_future(stop.wait())
