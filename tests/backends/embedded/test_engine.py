@@ -8,7 +8,7 @@ import pytest
 import torch
 from areal_sdk.backends.embedded import EmbeddedEngine, EngineInputError
 
-from areal_sdk.inference import SamplingParams
+from areal_sdk.inference import PauseMode, SamplingParams
 from tests.backends.embedded.conftest import chat_prompt, full_forward_logprobs, make_engine
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -420,8 +420,15 @@ async def test_steps_where_nothing_decodes_take_the_larger_prompt_chunk(tiny_mod
         assert sum(len(p) for p in batch) > 4 * 16
         runs = []
         for eng in (small, large):
+            # Paused while the burst arrives: a busy machine must not let the first prompt
+            # start (and decode) before the others are queued.
+            await eng.pause(PauseMode.IN_PLACE)
             before = eng.stats().prefill_steps
-            outs = await asyncio.gather(*(eng.generate(p, GREEDY) for p in batch))
+            jobs = [asyncio.ensure_future(eng.generate(p, GREEDY)) for p in batch]
+            while (await eng.health())["waiting"] < len(batch):
+                await asyncio.sleep(0.01)
+            await eng.resume()
+            outs = await asyncio.gather(*jobs)
             runs.append(([o.output_ids for o in outs], eng.stats().prefill_steps - before))
         (small_ids, small_steps), (large_ids, large_steps) = runs
         assert large_ids == small_ids
