@@ -7,7 +7,10 @@ took 1.3-2.0 s beside generation (``benchmarks/README.md``). ``TrainProcess`` ru
 configured backend in a child process and forwards the ``TrainBackend`` calls to it over a
 pipe: the child's Python stands alone between its kernel launches.
 
-What crosses the pipe: micro-batches and the loss function (pickled; small), metrics back;
+What crosses the pipe: micro-batches and the loss function (plain pickles; small), metrics
+back. Plain, not ``multiprocessing``'s pickler: that one hands tensors over as shared memory
+whose file descriptor the other side fetches from a helper thread, and a child killed while
+fetching one left that thread printing a raw traceback in the parent;
 for a weight push, one flat buffer per bucket shared by handle, not copied (CUDA IPC on a
 GPU, shared memory on CPU), so the parent's weight sync reads the child's memory directly.
 torch keeps a shared buffer alive while the parent still holds it.
@@ -24,6 +27,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import traceback
@@ -130,19 +134,19 @@ class _Child:
     def serve(self) -> None:
         while True:
             try:
-                op, args = self.conn.recv()
+                op, args = _receive_message(self.conn)
             except EOFError:
                 return  # the parent is gone
             if op == "close":
                 self.backend.close()
-                self.conn.send(("ok", None, self.state()))
+                _send_message(self.conn, ("ok", None, self.state()))
                 return
             try:
                 result = self.handle(op, args)
             except BaseException as exc:  # reported to the caller, the child serves on
-                self.conn.send(_error_reply(exc))
+                _send_message(self.conn, _error_reply(exc))
                 continue
-            self.conn.send(("ok", result, self.state()))
+            _send_message(self.conn, ("ok", result, self.state()))
 
 
 # A bucket as another process on this machine opens it: the handle of one flat buffer (CUDA
@@ -174,9 +178,15 @@ def open_bucket(shared: SharedBucket) -> NamedTensors:
     return unflatten_bucket(deserialize_tensor(payload), [TensorMeta.from_json(m) for m in metas])
 
 
-def _error_reply(exc: BaseException) -> tuple[str, Any, str, str]:
-    import pickle
+def _send_message(conn: Connection, message: Any) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
+
+def _receive_message(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _error_reply(exc: BaseException) -> tuple[str, Any, str, str]:
     text = "".join(traceback.format_exception(exc))
     try:
         pickle.dumps(exc)
@@ -205,9 +215,9 @@ def _child_main(conn: Connection, config: dict[str, Any]) -> None:
         backend = get_host().train_backend(cfg.train.backend)(cfg)
         child = _Child(conn, backend, sync_dtype(cfg.weights.dtype))
     except BaseException as exc:
-        conn.send(_error_reply(exc))
+        _send_message(conn, _error_reply(exc))
         return
-    conn.send(("ok", None, child.state()))
+    _send_message(conn, ("ok", None, child.state()))
     child.serve()
 
 
@@ -286,7 +296,7 @@ class TrainProcess(RemoteBackend):
             if self._closed:
                 raise TrainProcessError(f"{op}: the train process is closed")
             try:
-                self._conn.send((op, args))
+                _send_message(self._conn, (op, args))
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 raise self._died(op) from None
             return self._receive(op)
@@ -301,7 +311,7 @@ class TrainProcess(RemoteBackend):
                 self._process.kill()
                 raise TrainProcessError(f"the train process did not {op} within {timeout_s:g} s")
         try:
-            reply = self._conn.recv()
+            reply = _receive_message(self._conn)
         except (EOFError, ConnectionResetError):
             raise self._died(op) from None
         if reply[0] == "error":
@@ -376,7 +386,7 @@ class TrainProcess(RemoteBackend):
         with self._lock:
             if not self._closed and self._process.is_alive():
                 try:
-                    self._conn.send(("close", ()))
+                    _send_message(self._conn, ("close", ()))
                     self._receive("close", timeout_s=30)
                 except (TrainProcessError, OSError, EOFError):
                     log.warning("the train process did not close cleanly; killing it")
