@@ -71,6 +71,10 @@ class MicroBatch:
     # [S] int32: the segment whose tokens each segment continues (-1: none); None when no
     # segment has a shared prefix.
     parents: torch.Tensor | None = None
+    # [R] int64: the rows whose predictions the loss reads (row t - 1 for every token t with
+    # loss_mask > 0), then the last row; the policy runs its vocabulary head on these rows
+    # only and gives the others logprob 0. None: every row.
+    head_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -325,7 +329,21 @@ def _build(
         advantages=adv[seq],
         sample_indices=[g.index for g in segments if g.index >= 0],
         parents=torch.tensor(parents, dtype=torch.int32) if max(parents) >= 0 else None,
+        head_rows=rows_predicting(mask),
     )
+
+
+def rows_predicting(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``MicroBatch.head_rows`` of a packed row with this ``loss_mask``.
+
+    Prompt and observation tokens are never trained on, so their logits are never read: in
+    agent episodes they are often most of the row. The last row is always kept, so even a
+    row with nothing to train runs the head and gives its weight a (zero) gradient, as every
+    rank of ZeRO-2/3 must.
+    """
+    n = loss_mask.numel()
+    trained = torch.nonzero(loss_mask[1:] > 0).squeeze(1)
+    return torch.cat([trained, torch.tensor([n - 1], dtype=torch.long)])
 
 
 def _padding(token: int) -> MicroBatch:
@@ -338,6 +356,7 @@ def _padding(token: int) -> MicroBatch:
         behaviour_logprobs=torch.zeros(1, dtype=torch.float32),
         versions=torch.full((1,), NO_VERSION, dtype=torch.long),
         advantages=torch.zeros(1, dtype=torch.float32),
+        head_rows=torch.zeros(1, dtype=torch.long),
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -77,6 +78,9 @@ VARIANTS: dict[str, tuple[list[str], bool]] = {
     # What a user gets: every train setting left at its default (on CUDA: bf16, compiled
     # layers, micro-batches sized from the card's memory).
     "defaults": ([], False),
+    # The defaults with the vocabulary head on every row, prompt rows included (as before
+    # ``MicroBatch.head_rows``).
+    "defaults_every_row": ([], False),
     # The defaults with the logprob head keeping its softmax for backward.
     "defaults_stored": (["train.logprob_backend=stored"], False),
     # The layout of the first measurement: masked packed row, checkpointing, extra pass.
@@ -179,6 +183,8 @@ def time_backend(path: Path, args: argparse.Namespace, variant: str) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         (mbs,) = pack_samples(batch, adv, backend.micro_batch_tokens)
+        if variant == "defaults_every_row":
+            mbs = [dataclasses.replace(mb, head_rows=None) for mb in mbs]
         if separate_proximal:
             for mb, prox in zip(mbs, backend.forward_logprobs(mbs), strict=True):
                 mb.proximal_logprobs = prox

@@ -264,7 +264,9 @@ class DeepSpeedBackend(TrainBackend):
         self, batch: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mb = batch.to(self.device)
-        return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, with_entropy, mb.parents)
+        return self.engine(
+            mb.input_ids, mb.position_ids, mb.cu_seqlens, with_entropy, mb.parents, mb.head_rows
+        )
 
     @torch.no_grad()
     def forward_logprobs(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
@@ -294,7 +296,7 @@ class DeepSpeedBackend(TrainBackend):
             self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
             mb = batch.to(self.device)
             logprobs, entropy = self.engine(
-                mb.input_ids, mb.position_ids, mb.cu_seqlens, True, mb.parents
+                mb.input_ids, mb.position_ids, mb.cu_seqlens, True, mb.parents, mb.head_rows
             )
             loss, metrics = loss_fn(logprobs.float(), entropy, mb)
             self.engine.backward(loss * (share * world), scale_wrt_gas=False)

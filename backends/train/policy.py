@@ -97,20 +97,25 @@ class PackedPolicy(nn.Module):
         cu_seqlens: torch.Tensor,
         with_entropy: bool = True,
         parents: torch.Tensor | None = None,
+        head_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs ``[N]`` (and entropy ``[N]``), value t for token t given tokens < t.
 
         Each sequence's first token has no prediction inside the row: it gets 0.
         ``parents`` (``MicroBatch.parents``): sequences that continue a shared prefix in the
-        row; needs ``varlen`` attention.
+        row; needs ``varlen`` attention. ``head_rows`` (``MicroBatch.head_rows``): the rows
+        the vocabulary head runs on; tokens predicted by the other rows get 0.
         """
         hidden = self._hidden_states(input_ids, position_ids, cu_seqlens, parents)
         # Row t-1 predicts token t. The last row (predicting past the end) is computed and
         # dropped, so even a one-token padding micro-batch runs the head and gives every
         # parameter a (zero) gradient: ranks of ZeRO-2/3 must all reduce the same gradients.
-        lp_all, ent_all = self.policy.get_output_embeddings()(
-            hidden, torch.roll(input_ids, -1), self.temperature, self.chunk_size, with_entropy
-        )
+        head = self.policy.get_output_embeddings()
+        labels = torch.roll(input_ids, -1)
+        if head_rows is None:
+            lp_all, ent_all = head(hidden, labels, self.temperature, self.chunk_size, with_entropy)
+        else:
+            lp_all, ent_all = self._head_on_rows(head, hidden, labels, head_rows, with_entropy)
         lp_rows = lp_all[:-1]
         ent_rows = None if ent_all is None else ent_all[:-1]
         starts = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
@@ -122,6 +127,27 @@ class PackedPolicy(nn.Module):
         if ent_rows is not None:
             entropy = torch.cat([zero, torch.where(keep, ent_rows, 0.0)])
         return logprobs, entropy
+
+    def _head_on_rows(
+        self,
+        head: nn.Module,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        rows: torch.Tensor,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's ``[N]`` outputs computed on ``rows`` only, 0 elsewhere."""
+        lp_rows, ent_rows = head(
+            hidden.index_select(0, rows),
+            labels.index_select(0, rows),
+            self.temperature,
+            self.chunk_size,
+            with_entropy,
+        )
+        n = hidden.shape[0]
+        lp_all = lp_rows.new_zeros(n).index_copy(0, rows, lp_rows)
+        ent_all = None if ent_rows is None else ent_rows.new_zeros(n).index_copy(0, rows, ent_rows)
+        return lp_all, ent_all
 
     def _hidden_states(
         self,

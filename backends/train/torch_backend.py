@@ -199,7 +199,12 @@ class TorchBackend(TrainBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._autocast(), self._keep_weights():
             return self.model(
-                batch.input_ids, batch.position_ids, batch.cu_seqlens, with_entropy, batch.parents
+                batch.input_ids,
+                batch.position_ids,
+                batch.cu_seqlens,
+                with_entropy,
+                batch.parents,
+                batch.head_rows,
             )
 
     @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def test_logprobs_equal_the_hf_model_run_on_each_sequence_alone(tiny_model_dir: 
     from transformers import AutoModelForCausalLM
 
     backend = TorchBackend(tiny_model_dir, train_config())
-    batch = micro_batches(10_000)[0][0]  # every sample packed into one row
+    # Every sample packed into one row; the head on every row, prompts included.
+    batch = dataclasses.replace(micro_batches(10_000)[0][0], head_rows=None)
     packed = backend.forward_logprobs([batch])[0]
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     samples, _ = make_samples()
@@ -44,6 +46,25 @@ def test_logprobs_equal_the_hf_model_run_on_each_sequence_alone(tiny_model_dir: 
         got = packed[bounds[k] : bounds[k + 1]]
         assert got[0] == 0.0  # no prediction for a sequence's first token
         torch.testing.assert_close(got[1:], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_head_skips_prompt_rows_and_the_update_stays_the_same(tiny_model_dir: Path) -> None:
+    rows_only = TorchBackend(tiny_model_dir, train_config())
+    every_row = TorchBackend(tiny_model_dir, train_config())
+    batch = micro_batches(10_000)[0][0]
+    whole = dataclasses.replace(batch, head_rows=None)
+    trained = batch.loss_mask > 0
+    assert batch.head_rows is not None and len(batch.head_rows) == int(trained.sum()) + 1
+    got, full = rows_only.forward_logprobs([batch])[0], every_row.forward_logprobs([whole])[0]
+    torch.testing.assert_close(got[trained], full[trained], atol=1e-6, rtol=0)
+    assert (got[~trained] == 0).all() and (full[~trained] != 0).any()
+    torch.testing.assert_close(
+        run_steps(rows_only, [batch], 3), run_steps(every_row, [whole], 3), rtol=1e-5, atol=1e-7
+    )
+    probe = [single(FIXED_SEQUENCE)]
+    torch.testing.assert_close(
+        rows_only.forward_logprobs(probe), every_row.forward_logprobs(probe), atol=1e-5, rtol=0
+    )
 
 
 def test_the_update_does_not_depend_on_how_samples_are_split(tiny_model_dir: Path) -> None:
