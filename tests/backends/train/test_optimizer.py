@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from areal_sdk.backends.train.optimizer import CompactAdamW, optimizer_state_dtype
+from areal_sdk.backends.train.optimizer import (
+    NOISE_WINDOW,
+    CompactAdamW,
+    RoundingNoise,
+    optimizer_state_dtype,
+    store_rounded,
+)
 from areal_sdk.backends.train.torch_backend import TorchBackend
 
 from areal_sdk.config import ConfigError, load_config
@@ -114,3 +120,18 @@ def test_bf16_second_moments_keep_moving_over_many_steps() -> None:
     # The gradients grew 4x after step 200: the second moment climbs for the rest of the run.
     assert float(want) > 1.5
     assert abs(float(got) / float(want) - 1) < 0.01  # 4% off when rounded to nearest
+
+
+def test_stochastic_rounding_covers_and_is_unbiased_past_one_noise_window() -> None:
+    n = NOISE_WINDOW * 2 + 12_345
+    low = torch.full((n,), 1.0, dtype=torch.bfloat16)
+    ulp = 2.0**-7  # bfloat16's step between 1 and 2
+    source = low.float() + 0.25 * ulp
+    out = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    store_rounded(source, out, RoundingNoise(torch.device("cpu")))
+    assert not out.isnan().any()
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + ulp}
+    up = (out.float() > 1.0).float()
+    # Each window rounds up a quarter of the time, the short tail included.
+    for part in (up[:NOISE_WINDOW], up[NOISE_WINDOW : 2 * NOISE_WINDOW], up[2 * NOISE_WINDOW :]):
+        assert abs(float(part.mean()) - 0.25) < 0.02
