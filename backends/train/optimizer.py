@@ -11,6 +11,7 @@ back, so only one parameter's float32 moments exist at a time.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,8 +64,10 @@ class RoundingNoise:
     """Uniform 16-bit random integers for ``store_rounded``, redrawn by ``refresh``."""
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
-        # Seeded: two runs of the same steps give the same weights.
+        # Seeded: two runs of the same steps give the same weights. The offsets are drawn on
+        # the host, so a CUDA pool costs no device round trip per window.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.offsets = random.Random(seed)
         self.device = device
         self.pool: torch.Tensor | None = None
 
@@ -83,7 +86,7 @@ class RoundingNoise:
         if self.pool is None:
             self.refresh()
         assert self.pool is not None and n <= NOISE_WINDOW
-        start = int(torch.randint(0, NOISE_POOL - n + 1, (1,), generator=self.generator))
+        start = self.offsets.randrange(NOISE_POOL - n + 1)
         return self.pool[start : start + n]
 
 
