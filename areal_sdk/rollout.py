@@ -275,6 +275,7 @@ class RolloutController:
         self.runner: AgentRunner = runner
         self.no_model_call = 0  # episodes failed for want of a captured model call
         self.stopped_stale = 0  # episodes stopped: their group could no longer be trained
+        self.running = 0  # episodes whose agent is running now (holding a concurrency slot)
 
     @classmethod
     def from_config(
@@ -376,7 +377,11 @@ class RolloutController:
             ctx = EpisodeContext(
                 episode=episode, name="agent", base_url=self.sessions.base_url, api_key=api_key
             )
-            result, error = await self._call_until(stop, task, ctx)
+            self.running += 1
+            try:
+                result, error = await self._call_until(stop, task, ctx)
+            finally:
+                self.running -= 1
             self._finalize(ctx, task, result, error)
             try:
                 stored = await self.sessions.end(ctx)

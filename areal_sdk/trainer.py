@@ -357,6 +357,13 @@ class AsyncTrainer:
         consumed."""
         t0 = time.perf_counter() - wait_s
         groups, metrics_of_drops = taken
+        # Where the admitted episodes are as the step starts: whether admission, the agents
+        # or the buffer holds back the engine's batch.
+        admission = {
+            "rollout/running": float(self.controller.running),
+            "rollout/buffered_groups": float(self.buffer.qsize()),
+            "rollout/admission_room": float(self.staleness.capacity()),
+        }
         staleness = [index - g.start_step for g in groups]
         self.max_seen_staleness = max(self.max_seen_staleness, *staleness)
         metrics = await asyncio.to_thread(self._train_on, groups, index)
@@ -370,6 +377,7 @@ class AsyncTrainer:
         rewards = [r for g in groups for r in g.rewards]
         elapsed = time.perf_counter() - self._rollout_started
         metrics.update(metrics_of_drops)
+        metrics.update(admission)
         metrics.update(push_parts or {})
         metrics.update(
             {

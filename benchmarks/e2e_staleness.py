@@ -67,7 +67,15 @@ async def solve(task):
 
 TIMES = ("wait_s", "push_s", "push_pause_s", "push_send_s", "push_resume_s", "step_s")
 # Per-step rollout figures reported beside the times.
-ROLLOUT = ("tokens_per_s", "staleness_mean", "dropped_stale_groups", "trained_tokens")
+ROLLOUT = (
+    "tokens_per_s",
+    "staleness_mean",
+    "dropped_stale_groups",
+    "trained_tokens",
+    "running",
+    "buffered_groups",
+    "admission_room",
+)
 
 
 def build_model(out: Path, layers: int) -> Path:

@@ -270,3 +270,6 @@ def test_a_group_that_can_no_longer_be_trained_is_stopped_mid_run(run_config):
     assert not any(e.task_id == slow[0].task_id for e, _ in _consumed(cfg)[1])
     logged = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["rollout/stopped_stale"] == 2
+    # Steps 1 and 2 start while the slow group's two agents sleep.
+    assert all(m["rollout/running"] >= 2 for m in logged[:2])
+    assert all(m["rollout/admission_room"] >= 0 for m in logged)
